@@ -1,0 +1,98 @@
+"""Record h_0 (the input of block 0) and h_{l+1} (the raw output of block l) with hooks.
+
+Hooks are context managers in the spirit of baukit's nethook: they are removed on exit even when
+the forward pass fails. Each captured tensor leaves the model device at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from updatelens.models import LoadedModel
+
+
+def first_tensor(output: object) -> torch.Tensor:
+    """Blocks return a tensor in transformers 5.x and a tuple in older code: handle both."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"block output of type {type(output).__name__} holds no hidden-state tensor")
+
+
+@dataclass
+class Captured:
+    states: np.ndarray  # [L+1, n_seq, seq_len, d] float32: h_0 .. h_L
+    input_ids: np.ndarray  # [n_seq, seq_len]
+    attention_mask: np.ndarray  # [n_seq, seq_len]
+    block_returns_tuple: bool
+
+    @property
+    def n_layers(self) -> int:
+        return self.states.shape[0] - 1
+
+
+@contextmanager
+def record_block_states(blocks: nn.ModuleList, sink: list[list[torch.Tensor]]) -> Iterator[None]:
+    """sink[0] receives block 0's input, sink[l+1] block l's output, one tensor per forward pass."""
+    handles = []
+
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        sink[0].append(hidden.detach().to("cpu", torch.float32))
+
+    def make_hook(index: int):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            sink[index + 1].append(first_tensor(output).detach().to("cpu", torch.float32))
+
+        return hook
+
+    try:
+        handles.append(blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True))
+        for i, block in enumerate(blocks):
+            handles.append(block.register_forward_hook(make_hook(i)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def capture(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.ndarray, batch_size: int = 8) -> Captured:
+    """Run the sample through the model in batches and return every block's raw state."""
+    if not lm.allows_padding and not np.all(attention_mask == 1):
+        raise ValueError(f"{lm.slug}: this architecture has no attention mask; pass unpadded windows")
+    sink: list[list[torch.Tensor]] = [[] for _ in range(lm.n_layers + 1)]
+    returns_tuple = False
+
+    def probe(module: nn.Module, args: tuple, output: object) -> None:
+        nonlocal returns_tuple
+        returns_tuple = not isinstance(output, torch.Tensor)
+
+    device = lm.device
+    probe_handle = lm.blocks[0].register_forward_hook(probe)
+    try:
+        with torch.inference_mode(), record_block_states(lm.blocks, sink):
+            for start in range(0, len(input_ids), batch_size):
+                ids = torch.as_tensor(input_ids[start : start + batch_size], device=device)
+                mask = torch.as_tensor(attention_mask[start : start + batch_size], device=device)
+                kwargs = {"attention_mask": mask} if lm.allows_padding else {}
+                lm.model(input_ids=ids, use_cache=False, **kwargs)
+    finally:
+        probe_handle.remove()
+    states = np.stack([torch.cat(chunks).numpy() for chunks in sink])
+    return Captured(states=states, input_ids=input_ids, attention_mask=attention_mask,
+                    block_returns_tuple=returns_tuple)
+
+
+def kept_mask(attention_mask: np.ndarray, skip_first_position: bool) -> np.ndarray:
+    """Tokens that enter statistics: not padding and (by default) not position 0."""
+    kept = attention_mask.astype(bool).copy()
+    if skip_first_position:
+        kept[:, 0] = False
+    return kept

@@ -1,0 +1,175 @@
+"""The analysis configuration: every knob of METHOD.md, validated, hashed and recorded with results."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+from updatelens.errors import ConfigError
+
+LOCAL_CLASSES = ("diagonal", "psd_diagonal", "lowrank", "orthogonal")
+GLOBAL_CLASSES = ("global_linear", "mlp")
+FN_CLASSES = LOCAL_CLASSES + GLOBAL_CLASSES
+METRICS = ("cosine_centered", "cosine", "l2")
+EXCLUSIONS = ("sequence", "self", "none")
+INDEXES = ("exact", "hnsw", "ivf")
+DTYPES = ("float64", "float32")
+PATCH_MODES = ("all", "single")
+CONTROLS = ("random", "crude", "identity")
+
+
+@dataclass(frozen=True)
+class AnalysisConfig:
+    """Everything that determines the numbers. Hashed into `config_id`, written beside each result."""
+
+    # sample
+    n_seq: int = 16
+    seq_len: int = 128
+    corpus_offset: int = 0  # number of corpus windows skipped before the sample starts
+    skip_first_position: bool = True  # drop position 0 (the attention sink) from every statistic
+    # neighbours
+    k: int = 64
+    metric: str = "cosine_centered"
+    exclusion: str = "sequence"
+    index: str = "exact"
+    # fits
+    classes: tuple[str, ...] = ("diagonal", "lowrank")
+    rank: int = 8
+    ridge: float = 1e-3  # times the mean eigenvalue of each fit's normal matrix
+    fit_dtype: str = "float64"
+    orthogonal_scale: bool = True
+    max_cond: float = 1e10  # fits whose regularised system is worse are flagged degenerate
+    folds: int = 2  # sequence folds for the per-layer classes (global_linear, mlp)
+    mlp_hidden: int = 256
+    mlp_steps: int = 300
+    mlp_lr: float = 1e-3
+    anchor_chunk: int = 256  # anchors per batched solve (memory bound)
+    # geometry
+    subspace_ms: tuple[int, ...] = (1, 4, 16, 64)
+    energy_threshold: float = 0.9
+    # functional metrics
+    patch_mode: str = "all"
+    single_positions: int = 4  # positions per sequence in "single" patch mode
+    controls: tuple[str, ...] = ("random", "crude")
+    control_class: str = ""  # class whose residual the controls use; "" = the last class listed
+    crude_class: str = "diagonal"
+    patch_batch: int = 16  # sequences (rows) per patched forward pass
+    # execution
+    capture_batch: int = 8
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        # tuples survive JSON and Dagster config as lists; normalise so hashing is stable
+        object.__setattr__(self, "classes", tuple(self.classes))
+        object.__setattr__(self, "subspace_ms", tuple(int(m) for m in self.subspace_ms))
+        object.__setattr__(self, "controls", tuple(self.controls))
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self, d_model: int | None = None, max_positions: int | None = None) -> None:
+        """Raise ConfigError naming the first problem. Cheap: call before any heavy work."""
+
+        def bad(msg: str) -> None:
+            raise ConfigError(msg)
+
+        if self.n_seq < 1:
+            bad(f"n_seq must be >= 1, got {self.n_seq}")
+        if self.seq_len < 2:
+            bad(f"seq_len must be >= 2, got {self.seq_len}")
+        if max_positions is not None and self.seq_len > max_positions:
+            bad(f"seq_len={self.seq_len} exceeds the model's context of {max_positions} positions; "
+                f"lower seq_len")
+        for c in self.classes:
+            if c not in FN_CLASSES:
+                bad(f"unknown function class {c!r}; choose from {', '.join(FN_CLASSES)}")
+        if not self.classes:
+            bad("classes is empty; list at least one function class")
+        if len(set(self.classes)) != len(self.classes):
+            bad(f"classes lists a class twice: {self.classes}")
+        if self.metric not in METRICS:
+            bad(f"unknown metric {self.metric!r}; choose from {', '.join(METRICS)}")
+        if self.exclusion not in EXCLUSIONS:
+            bad(f"unknown neighbour exclusion {self.exclusion!r}; choose from {', '.join(EXCLUSIONS)}")
+        if self.index not in INDEXES:
+            bad(f"unknown index {self.index!r}; choose from {', '.join(INDEXES)}")
+        if self.fit_dtype not in DTYPES:
+            bad(f"unknown fit_dtype {self.fit_dtype!r}; choose from {', '.join(DTYPES)}")
+        if self.patch_mode not in PATCH_MODES:
+            bad(f"unknown patch_mode {self.patch_mode!r}; choose from {', '.join(PATCH_MODES)}")
+        for c in self.controls:
+            if c not in CONTROLS:
+                bad(f"unknown control {c!r}; choose from {', '.join(CONTROLS)}")
+        if self.k < 1:
+            bad(f"k must be >= 1, got {self.k}")
+        n_kept_per_seq = self.seq_len - (1 if self.skip_first_position else 0)
+        candidates = self.n_seq * n_kept_per_seq - {"sequence": n_kept_per_seq, "self": 1, "none": 0}[
+            self.exclusion]
+        if any(c in LOCAL_CLASSES for c in self.classes) and self.k >= candidates:
+            bad(f"k={self.k} must be below the number of candidate neighbours ({candidates} = kept "
+                f"tokens minus those excluded by exclusion={self.exclusion!r}); lower k or sample "
+                f"more sequences")
+        if self.rank < 1:
+            bad(f"rank must be >= 1, got {self.rank}")
+        if d_model is not None and "lowrank" in self.classes and self.rank >= d_model:
+            bad(f"rank={self.rank} must be below d_model={d_model}")
+        if self.ridge < 0:
+            bad(f"ridge must be >= 0, got {self.ridge}")
+        if any(c in GLOBAL_CLASSES for c in self.classes):
+            if self.folds < 2:
+                bad(f"folds must be >= 2 for held-out fits, got {self.folds}")
+            if self.n_seq < self.folds:
+                bad(f"n_seq={self.n_seq} is below folds={self.folds}: each fold needs a held-out "
+                    f"sequence")
+        if not self.subspace_ms or min(self.subspace_ms) < 1:
+            bad(f"subspace_ms must be positive integers, got {self.subspace_ms}")
+        if not 0 < self.energy_threshold <= 1:
+            bad(f"energy_threshold must be in (0, 1], got {self.energy_threshold}")
+        if "crude" in self.controls:
+            if self.crude_class not in FN_CLASSES:
+                bad(f"unknown crude_class {self.crude_class!r}")
+            if self.crude_class not in self.classes:
+                bad(f"the crude control needs crude_class={self.crude_class!r} among classes "
+                    f"{self.classes}; add it or drop 'crude' from controls")
+        if self.control_class and self.control_class not in self.classes:
+            bad(f"control_class={self.control_class!r} is not among classes {self.classes}")
+        if self.patch_batch < 1 or self.capture_batch < 1 or self.anchor_chunk < 1:
+            bad("patch_batch, capture_batch and anchor_chunk must be >= 1")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            bad(f"device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
+
+    # ---- identity ---------------------------------------------------------------------------
+    @property
+    def primary_class(self) -> str:
+        return self.control_class or self.classes[-1]
+
+    def to_dict(self) -> dict[str, object]:
+        d = dataclasses.asdict(self)
+        for key, value in d.items():
+            if isinstance(value, tuple):
+                d[key] = list(value)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @property
+    def config_id(self) -> str:
+        """Short hash of everything that changes results (execution batch sizes excluded)."""
+        d = self.to_dict()
+        for key in ("anchor_chunk", "patch_batch", "capture_batch"):
+            d.pop(key)
+        return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> "AnalysisConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"unknown configuration keys: {sorted(unknown)}")
+        return cls(**d)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> "AnalysisConfig":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+

@@ -1,0 +1,170 @@
+"""Corpora: read text from the registry's sources and cut it into fixed-length token windows.
+
+Windows never cross a document boundary and are never padded (so Mamba, which has no attention
+mask, sees exactly what a Transformer sees). The sample is windows [offset, offset + n_seq).
+"""
+
+from __future__ import annotations
+
+import bz2
+import importlib.util
+import re
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from updatelens.errors import CorpusError, RegistryError
+from updatelens.registry import CorpusEntry
+
+WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+MIN_DOC_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Sample:
+    corpus: str
+    input_ids: np.ndarray  # [n_seq, seq_len] int64
+    attention_mask: np.ndarray  # [n_seq, seq_len] int64 (all ones: windows are never padded)
+    doc_index: np.ndarray  # [n_seq] the document each window came from
+    slice_desc: str  # e.g. "wiki-embedded[w0:16,len128]"
+
+
+# ---- wikitext cleaning ------------------------------------------------------------------------
+_COMMENT = re.compile(r"<!--.*?-->", re.S)
+_REF = re.compile(r"<ref[^>/]*/>|<ref[^>]*>.*?</ref>", re.S | re.I)
+_TAG = re.compile(r"<[^>]+>")
+_TABLE = re.compile(r"\{\|.*?\|\}", re.S)
+_FILE_LINK = re.compile(r"\[\[(?:File|Image|Category|[a-z]{2,3}(?:-[a-z]+)?):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]", re.I)
+_LINK = re.compile(r"\[\[(?:[^\]|]*\|)?([^\]]*)\]\]")
+_EXT_LINK = re.compile(r"\[(?:https?|ftp)://[^\s\]]+\s*([^\]]*)\]")
+_HEADING = re.compile(r"^=+\s*(.*?)\s*=+\s*$", re.M)
+_QUOTES = re.compile(r"'{2,}")
+_LIST = re.compile(r"^[*#:;]+\s*", re.M)
+_SPACES = re.compile(r"[ \t]+")
+_BLANKS = re.compile(r"\n{3,}")
+
+
+def _strip_templates(text: str) -> str:
+    out, depth, i = [], 0, 0
+    while i < len(text):
+        if text.startswith("{{", i):
+            depth += 1
+            i += 2
+        elif text.startswith("}}", i) and depth:
+            depth -= 1
+            i += 2
+        else:
+            if depth == 0:
+                out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def clean_wikitext(text: str) -> str:
+    text = _COMMENT.sub("", text)
+    text = _REF.sub("", text)
+    text = _strip_templates(text)
+    text = _TABLE.sub("", text)
+    text = _FILE_LINK.sub("", text)
+    text = _LINK.sub(r"\1", text)
+    text = _EXT_LINK.sub(r"\1", text)
+    text = _TAG.sub("", text)
+    text = _HEADING.sub(r"\1", text)
+    text = _QUOTES.sub("", text)
+    text = _LIST.sub("", text)
+    text = _SPACES.sub(" ", text)
+    text = _BLANKS.sub("\n\n", text)
+    return text.strip()
+
+
+def read_embedded_wiki() -> list[str]:
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise RegistryError("the embedded corpus ships in the gensim wheel, which is not installed; "
+                            "pip install --no-deps gensim==4.4.0")
+    path = Path(list(spec.submodule_search_locations)[0]) / WIKI_FILE
+    if not path.exists():
+        raise RegistryError(f"embedded corpus file {path} is missing from the gensim wheel")
+    docs: list[str] = []
+    with bz2.open(path, "rb") as f:
+        for _, elem in ET.iterparse(f):
+            if not elem.tag.endswith("}page"):
+                continue
+            ns = elem.find("{*}ns")
+            text = elem.find("{*}revision/{*}text")
+            if ns is not None and ns.text == "0" and text is not None and text.text:
+                if not text.text.lstrip().upper().startswith("#REDIRECT"):
+                    cleaned = clean_wikitext(text.text)
+                    if len(cleaned) >= MIN_DOC_CHARS:
+                        docs.append(cleaned)
+            elem.clear()
+    return docs
+
+
+def read_text_file(path: Path) -> list[str]:
+    if not path.exists():
+        raise CorpusError(f"corpus file {path} does not exist")
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise CorpusError(f"corpus file {path} is empty")
+    if b"\x00" in raw[:8192]:
+        raise CorpusError(f"corpus file {path} looks binary (NUL bytes); give a UTF-8 text file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorpusError(f"corpus file {path} is not UTF-8 text: {exc}") from exc
+    docs = [d.strip() for d in re.split(r"\n\s*\n", text) if d.strip()]
+    # paragraphs are documents; join short ones so windows can fill up
+    return ["\n\n".join(docs)] if docs else []
+
+
+def read_hub_dataset(entry: CorpusEntry) -> list[str]:
+    try:
+        import datasets  # optional: only for users online
+    except ImportError as exc:
+        raise RegistryError(f"corpus {entry.slug!r} is a hub dataset; pip install datasets") from exc
+    ds = datasets.load_dataset(entry.id, entry.config or None, split=entry.split)
+    return [str(t) for t in ds[entry.field] if str(t).strip()]
+
+
+def read_documents(entry: CorpusEntry) -> list[str]:
+    if entry.source == "embedded":
+        return read_embedded_wiki()
+    if entry.source == "text":
+        return read_text_file(Path(entry.path).expanduser())
+    return read_hub_dataset(entry)
+
+
+def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int, offset: int = 0) -> Sample:
+    """Tokenise documents in order and cut non-overlapping windows of seq_len tokens."""
+    docs = read_documents(entry)
+    if not docs:
+        raise CorpusError(f"corpus {entry.slug!r} has no usable text")
+    need = offset + n_seq
+    windows: list[list[int]] = []
+    doc_of: list[int] = []
+    total_tokens = 0
+    for d_idx, doc in enumerate(docs):
+        ids = tokenizer(doc, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+        total_tokens += len(ids)
+        for start in range(0, len(ids) - seq_len + 1, seq_len):
+            windows.append(ids[start : start + seq_len])
+            doc_of.append(d_idx)
+            if len(windows) >= need:
+                break
+        if len(windows) >= need:
+            break
+    if len(windows) < need:
+        raise CorpusError(f"corpus {entry.slug!r} is too short: it yields {len(windows)} windows of "
+                          f"{seq_len} tokens ({total_tokens} tokens read), the sample needs "
+                          f"offset {offset} + n_seq {n_seq} = {need}; lower n_seq or seq_len")
+    ids = np.asarray(windows[offset:need], dtype=np.int64)
+    return Sample(
+        corpus=entry.slug,
+        input_ids=ids,
+        attention_mask=np.ones_like(ids),
+        doc_index=np.asarray(doc_of[offset:need], dtype=np.int64),
+        slice_desc=f"{entry.slug}[w{offset}:{need},len{seq_len}]",
+    )

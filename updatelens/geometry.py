@@ -1,0 +1,123 @@
+"""Decomposition h_{l+1} = T(h_l) + r and its geometry, per token and per layer.
+
+    Δ_full = y - x,  Δ_tok = T(x) - x,  r = y - T(x)   (so Δ_full = Δ_tok + r)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+EPS = 1e-30
+
+
+def _norm(v: np.ndarray) -> np.ndarray:
+    return np.linalg.norm(v, axis=1)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine; 0 where either vector is zero."""
+    na, nb = _norm(a), _norm(b)
+    dot = np.einsum("ij,ij->i", a, b)
+    out = np.where((na > 0) & (nb > 0), dot / np.maximum(na * nb, EPS), 0.0)
+    return np.clip(out, -1.0, 1.0)
+
+
+def angle_deg(cos: np.ndarray) -> np.ndarray:
+    return np.degrees(np.arccos(np.clip(cos, -1.0, 1.0)))
+
+
+@dataclass
+class Decomposition:
+    delta_full: np.ndarray
+    delta_tok: np.ndarray
+    residual: np.ndarray
+
+
+def decompose(x: np.ndarray, y: np.ndarray, tx: np.ndarray) -> Decomposition:
+    x64, y64, t64 = (np.asarray(a, dtype=np.float64) for a in (x, y, tx))
+    return Decomposition(delta_full=y64 - x64, delta_tok=t64 - x64, residual=y64 - t64)
+
+
+def token_metrics(x: np.ndarray, y: np.ndarray, tx: np.ndarray) -> dict[str, np.ndarray]:
+    """Norms, relative error, the three cosines (update form), the map form, and angles."""
+    dec = decompose(x, y, tx)
+    n_full, n_tok, n_res = _norm(dec.delta_full), _norm(dec.delta_tok), _norm(dec.residual)
+    cos_full_tok = cosine(dec.delta_full, dec.delta_tok)
+    cos_full_res = cosine(dec.delta_full, dec.residual)
+    cos_tok_res = cosine(dec.delta_tok, dec.residual)
+    return {
+        "norm_full": n_full,
+        "norm_tok": n_tok,
+        "norm_res": n_res,
+        "rel_err": np.where(n_full > 0, n_res / np.maximum(n_full, EPS), np.where(n_res > 0, np.inf, 0.0)),
+        "cos_full_tok": cos_full_tok,
+        "cos_full_res": cos_full_res,
+        "cos_tok_res": cos_tok_res,
+        "cos_full_tok_map": cosine(np.asarray(y, np.float64), np.asarray(tx, np.float64)),
+        "angle_full_tok": angle_deg(cos_full_tok),
+        "angle_full_res": angle_deg(cos_full_res),
+        "angle_tok_res": angle_deg(cos_tok_res),
+    }
+
+
+@dataclass
+class Subspace:
+    basis: np.ndarray  # [d, d] right singular vectors of the stacked Δ_tok, columns by energy
+    singular_values: np.ndarray
+    m_energy: int  # smallest m holding `threshold` of Δ_tok's energy
+
+
+def energy_m(singular_values: np.ndarray, threshold: float) -> int:
+    energy = singular_values**2
+    total = energy.sum()
+    if total <= 0:
+        return 0
+    return int(np.searchsorted(np.cumsum(energy) / total, threshold - 1e-12) + 1)
+
+
+def dominant_subspace(delta_tok: np.ndarray, threshold: float = 0.9) -> Subspace:
+    """Uncentred SVD of the layer's stacked tokenwise updates."""
+    _, s, vt = np.linalg.svd(np.asarray(delta_tok, np.float64), full_matrices=False)
+    return Subspace(basis=vt.T, singular_values=s, m_energy=energy_m(s, threshold))
+
+
+def projection_energy(v: np.ndarray, basis: np.ndarray, m: int) -> np.ndarray:
+    """||P_m v||^2 / ||v||^2 per row (0 for a zero vector)."""
+    coords = v @ basis[:, :m]
+    num = (coords**2).sum(axis=1)
+    den = (v**2).sum(axis=1)
+    return np.where(den > 0, num / np.maximum(den, EPS), 0.0)
+
+
+def projection_metrics(dec: Decomposition, sub: Subspace, ms: tuple[int, ...]) -> dict[str, np.ndarray]:
+    d = sub.basis.shape[1]
+    out: dict[str, np.ndarray] = {}
+    for label, m in [*((f"m{m}", m) for m in ms), ("m90", sub.m_energy)]:
+        m_eff = min(m, d)
+        for name, v in (("full", dec.delta_full), ("tok", dec.delta_tok), ("res", dec.residual)):
+            out[f"proj_{name}_{label}"] = projection_energy(v, sub.basis, m_eff)
+    return out
+
+
+@dataclass
+class Spectrum:
+    singular_values: np.ndarray
+    cum_energy: np.ndarray
+    effective_rank: float  # exp(entropy of the normalised energy): the participation of directions
+    m_energy: int
+
+
+def spectrum(v: np.ndarray, threshold: float = 0.9) -> Spectrum:
+    s = np.linalg.svd(np.asarray(v, np.float64), compute_uv=False)
+    energy = s**2
+    total = energy.sum()
+    if total > 0:
+        p = energy / total
+        nz = p[p > 0]
+        eff = float(np.exp(-(nz * np.log(nz)).sum()))
+        cum = np.cumsum(p)
+    else:
+        eff, cum = 0.0, np.zeros_like(s)
+    return Spectrum(singular_values=s, cum_energy=cum, effective_rank=eff, m_energy=energy_m(s, threshold))

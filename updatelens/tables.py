@@ -1,0 +1,54 @@
+"""Arrow helpers: vector columns as FixedSizeList<float32>, provenance columns on every row."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow as pa
+
+
+def vector_column(values: np.ndarray, dtype: pa.DataType = pa.float32()) -> pa.FixedSizeListArray:
+    values = np.ascontiguousarray(values, dtype=dtype.to_pandas_dtype())
+    n, d = values.shape
+    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), type=dtype), d)
+
+
+def to_matrix(column: pa.ChunkedArray | pa.Array, dtype: type = np.float32) -> np.ndarray:
+    """A FixedSizeList column back to an [n, d] numpy array."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if len(arr) == 0:
+        return np.zeros((0, arr.type.list_size), dtype=dtype)
+    return arr.values.to_numpy(zero_copy_only=False).reshape(len(arr), arr.type.list_size).astype(dtype, copy=False)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """The configuration that produced a row: written as constant columns on every table."""
+
+    model: str
+    model_revision: str
+    corpus: str
+    corpus_slice: str
+    config_id: str
+    k: int
+    rank: int
+    dtype: str
+    code_version: str
+    config_json: str
+
+    def columns(self, n: int) -> dict[str, pa.Array]:
+        out: dict[str, pa.Array] = {}
+        for key, value in asdict(self).items():
+            typ = pa.int32() if isinstance(value, int) else pa.string()
+            out[key] = pa.array([value] * n, type=typ)
+        return out
+
+
+def with_provenance(columns: dict[str, pa.Array | np.ndarray], prov: Provenance, layer: int) -> pa.Table:
+    """Rows carry model and layer too (also the hive partition values), so a file stands alone."""
+    n = len(next(iter(columns.values()))) if columns else 0
+    data: dict[str, pa.Array | np.ndarray] = {"layer": pa.array([layer] * n, type=pa.int32())}
+    data.update(columns)
+    data.update(prov.columns(n))
+    return pa.table(data)
