@@ -96,3 +96,15 @@ def kept_mask(attention_mask: np.ndarray, skip_first_position: bool) -> np.ndarr
     if skip_first_position:
         kept[:, 0] = False
     return kept
+
+
+def block_output_is_tuple(lm: LoadedModel) -> bool:
+    """Whether this model's blocks return a tuple (older transformers) or a tensor (5.x)."""
+    seen: list[bool] = []
+    handle = lm.blocks[0].register_forward_hook(lambda m, a, out: seen.append(not isinstance(out, torch.Tensor)))
+    try:
+        with torch.inference_mode():
+            lm.model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=lm.device), use_cache=False)
+    finally:
+        handle.remove()
+    return seen[0]

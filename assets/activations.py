@@ -1,0 +1,40 @@
+"""Stage 1: capture h_l and h_{l+1} for every requested layer with one forward pass per model."""
+
+import dagster as dg
+
+from assets.common import GROUP, Written, finish, partitions_of
+from orchestration.partitions import MODEL_LAYER
+from orchestration.resources import UpdateLensResource
+from updatelens import CODE_VERSION
+from updatelens.analysis import activations_table, provenance
+from updatelens.capture import capture
+
+
+@dg.asset(
+    partitions_def=MODEL_LAYER,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    group_name=GROUP,
+    code_version=CODE_VERSION,
+    kinds={"pytorch", "parquet"},
+    pool="model",
+    description="Raw block inputs/outputs (x = h_l, y = h_{l+1}) of every token of the corpus sample, "
+                "captured with forward hooks; one row per (sequence, position).",
+)
+def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
+    cfg = lens.config()
+    written = Written()
+    d_model = 0
+    for model, layers in partitions_of(context).items():
+        lm = lens.load(model)
+        cfg.validate(d_model=lm.d_model, max_positions=lm.max_positions)
+        bad = [layer for layer in layers if layer >= lm.n_layers]
+        if bad:
+            raise ValueError(f"{model} has {lm.n_layers} layers; partitions for layers {bad} cannot exist")
+        sample = lens.sample(lm)
+        context.log.info(f"{model}: capturing {sample.slice_desc} ({lm.n_layers} blocks, d={lm.d_model})")
+        cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
+        prov = provenance(lm, sample, cfg)
+        for layer in layers:
+            written.add(lens.root, "activations", model, layer, activations_table(cap, layer, cfg, prov))
+        d_model = lm.d_model
+    return finish(lens.root, cfg, written, {"d_model": d_model})

@@ -1,0 +1,78 @@
+"""Helpers every stage shares: reading upstream partitions consistently and reporting results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import dagster as dg
+import pyarrow as pa
+
+from orchestration.partitions import group_keys
+from storage import catalog
+from storage.layout import read_partition, write_partition
+from updatelens import CODE_VERSION
+from updatelens.config import AnalysisConfig
+from updatelens.tables import Provenance
+
+GROUP = "updatelens"
+
+
+class StaleInputError(RuntimeError):
+    """An upstream partition was produced under another configuration."""
+
+
+def read_upstream(root: Path, table: str, model: str, layer: int, cfg: AnalysisConfig) -> pa.Table:
+    data = read_partition(root, table, model, layer)
+    found = data["config_id"][0].as_py() if len(data) else cfg.config_id
+    if found != cfg.config_id:
+        raise StaleInputError(
+            f"{table} for {model} layer {layer} was produced with config {found}, this run uses "
+            f"{cfg.config_id}; rematerialize the upstream assets for this partition with the same "
+            f"configuration")
+    return data
+
+
+def provenance_from(table: pa.Table, cfg: AnalysisConfig) -> Provenance:
+    """The upstream rows say which model revision and corpus slice; the config says the rest."""
+    row = table.slice(0, 1).to_pylist()[0]
+    return Provenance(
+        model=row["model"], model_revision=row["model_revision"], corpus=row["corpus"],
+        corpus_slice=row["corpus_slice"], config_id=cfg.config_id, k=cfg.k, rank=cfg.rank,
+        dtype=cfg.fit_dtype, code_version=CODE_VERSION, config_json=cfg.to_json(),
+    )
+
+
+@dataclass
+class Written:
+    """What a stage wrote in this run, for the UI's metadata."""
+
+    rows: dict[str, int] = field(default_factory=dict)
+    paths: list[str] = field(default_factory=list)
+    partitions: list[str] = field(default_factory=list)
+
+    def add(self, root: Path, name: str, model: str, layer: int, table: pa.Table) -> None:
+        path = write_partition(root, name, model, layer, table)
+        self.rows[name] = self.rows.get(name, 0) + len(table)
+        self.paths.append(str(path))
+        self.partitions.append(f"{model}:{layer:02d}")
+
+
+def partitions_of(context: dg.AssetExecutionContext) -> dict[str, list[int]]:
+    return group_keys(context.partition_keys)
+
+
+def finish(root: Path, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None) -> dg.MaterializeResult:
+    catalog.refresh(root)
+    # one partition: its file; several: the table folder they live under
+    where = written.paths[0] if len(written.paths) == 1 else str(Path(written.paths[0]).parents[2])
+    metadata: dict[str, object] = {
+        "config_id": cfg.config_id,
+        "code_version": CODE_VERSION,
+        "partitions_written": len(set(written.partitions)),
+        "parquet_path": dg.MetadataValue.path(where),
+    }
+    for name, n in written.rows.items():
+        metadata[f"rows_{name}"] = n
+    metadata.update(extra or {})
+    return dg.MaterializeResult(metadata=metadata)

@@ -1,0 +1,46 @@
+"""Stage 5: KL(p_orig || p_patched) with block l's output replaced by T(h_l), the controls, and
+Spearman(error, KL)."""
+
+import dagster as dg
+
+from assets.common import GROUP, Written, finish, partitions_of, provenance_from, read_upstream
+from assets.geometry import geometry
+from orchestration.partitions import MODEL_LAYER
+from orchestration.resources import UpdateLensResource
+from updatelens import CODE_VERSION
+from updatelens.analysis import fits_from_table, functional_tables, layer_data
+from updatelens.capture import block_output_is_tuple
+from updatelens.perturbation import original_log_probs
+
+
+@dg.asset(
+    partitions_def=MODEL_LAYER,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    group_name=GROUP,
+    code_version=CODE_VERSION,
+    kinds={"pytorch", "parquet"},
+    deps=[geometry],
+    pool="model",
+    description="Per token KL of the next-token distribution when block l's output is replaced by "
+                "T(h_l) (residual removed), plus random-direction and cruder-class controls; per layer "
+                "Spearman(error, KL) in table `functional_summary`.",
+)
+def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
+    cfg = lens.config()
+    written = Written()
+    for model, layers in partitions_of(context).items():
+        lm = lens.load(model)
+        returns_tuple = block_output_is_tuple(lm)
+        orig = None
+        for layer in layers:
+            act = read_upstream(lens.root, "activations", model, layer, cfg)
+            read_upstream(lens.root, "geometry", model, layer, cfg)  # lineage and config check
+            data = layer_data(act)
+            if orig is None:  # the sample is the same for every layer of the model
+                orig = original_log_probs(lm, data.input_ids, cfg.patch_batch)
+            fits = fits_from_table(read_upstream(lens.root, "local_fits", model, layer, cfg), data)
+            fm, fs = functional_tables(lm, data, fits, orig, cfg, provenance_from(act, cfg), returns_tuple)
+            written.add(lens.root, "functional_metrics", model, layer, fm)
+            written.add(lens.root, "functional_summary", model, layer, fs)
+            context.log.info(f"{model} layer {layer}: patched forwards done")
+    return finish(lens.root, cfg, written)

@@ -1,0 +1,36 @@
+"""Stage 4: alignment, angles, projection on the dominant tokenwise subspace, singular spectra."""
+
+import dagster as dg
+
+from assets.common import GROUP, Written, finish, partitions_of, provenance_from, read_upstream
+from assets.residuals import residuals
+from orchestration.partitions import MODEL_LAYER
+from orchestration.resources import UpdateLensResource
+from updatelens import CODE_VERSION
+from updatelens.analysis import fits_from_table, geometry_tables, layer_data
+
+
+@dg.asset(
+    partitions_def=MODEL_LAYER,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    group_name=GROUP,
+    code_version=CODE_VERSION,
+    kinds={"parquet"},
+    deps=[residuals],
+    description="Per token: cosines and angles between Δ_full, Δ_tok and r (update and map forms), "
+                "projection energies on the top-m tokenwise subspace; per layer: singular spectra "
+                "(table `spectra`).",
+)
+def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
+    cfg = lens.config()
+    written = Written()
+    for model, layers in partitions_of(context).items():
+        for layer in layers:
+            act = read_upstream(lens.root, "activations", model, layer, cfg)
+            read_upstream(lens.root, "residuals", model, layer, cfg)  # lineage and config check
+            data = layer_data(act)
+            fits = fits_from_table(read_upstream(lens.root, "local_fits", model, layer, cfg), data)
+            geo, spec = geometry_tables(data, fits, cfg, provenance_from(act, cfg))
+            written.add(lens.root, "geometry", model, layer, geo)
+            written.add(lens.root, "spectra", model, layer, spec)
+    return finish(lens.root, cfg, written)

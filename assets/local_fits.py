@@ -1,0 +1,37 @@
+"""Stage 2: k-NN in layer-l space and one tokenwise fit per anchor and class."""
+
+import dagster as dg
+import numpy as np
+
+from assets.activations import activations
+from assets.common import GROUP, Written, finish, partitions_of, provenance_from, read_upstream
+from orchestration.partitions import MODEL_LAYER
+from orchestration.resources import UpdateLensResource
+from updatelens import CODE_VERSION
+from updatelens.analysis import compute_fits, fits_table, layer_data
+
+
+@dg.asset(
+    partitions_def=MODEL_LAYER,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    group_name=GROUP,
+    code_version=CODE_VERSION,
+    kinds={"faiss", "parquet"},
+    deps=[activations],
+    description="T(x) at every kept token for each function class, fitted on the token's k nearest "
+                "neighbours (other sequences) and evaluated out of sample; fit condition numbers.",
+)
+def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
+    cfg = lens.config()
+    written = Written()
+    degenerate = 0
+    for model, layers in partitions_of(context).items():
+        for layer in layers:
+            act = read_upstream(lens.root, "activations", model, layer, cfg)
+            data = layer_data(act)
+            fits, neighbours = compute_fits(data, cfg)
+            degenerate += int(sum(np.sum(f.degenerate) for f in fits.values()))
+            written.add(lens.root, "local_fits", model, layer,
+                        fits_table(data, fits, neighbours, provenance_from(act, cfg)))
+            context.log.info(f"{model} layer {layer}: fitted {', '.join(cfg.classes)}")
+    return finish(lens.root, cfg, written, {"degenerate_fits": degenerate})

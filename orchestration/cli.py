@@ -1,0 +1,184 @@
+"""`updatelens run | sql | ui`: the command line over the data product."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SUMMARY_SQL = """
+SELECT layer, fn_class, n_tokens,
+       round(rel_err_median, 3) AS rel_err_med,
+       round(cos_full_tok_median, 3) AS cos_upd,
+       round(cos_full_tok_map_median, 3) AS cos_map,
+       round(frac_res_angle_gt60, 3) AS res_gt60,
+       round(proj_tok_m16, 3) AS proj_tok16,
+       round(proj_res_m16, 3) AS proj_res16,
+       round(kl_mean, 4) AS kl_mean,
+       round(spearman_relerr_kl, 3) AS rho_relerr_kl
+FROM layer_summary WHERE model = '{model}' AND config_id = '{config_id}'
+ORDER BY layer, fn_class
+"""
+
+
+def _parse_layers(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    if "-" in text:
+        a, b = text.split("-", 1)
+        return list(range(int(a), int(b) + 1))
+    return [int(x) for x in text.split(",")]
+
+
+def _settings(args: argparse.Namespace) -> dict[str, object]:
+    settings: dict[str, object] = {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        try:
+            settings[key] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key] = value
+    if args.classes:
+        settings["classes"] = args.classes.split(",")
+    for name in ("n_seq", "seq_len", "k", "rank"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    return settings
+
+
+def _print_frame(frame: object) -> None:
+    import polars as pl
+
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, tbl_hide_dataframe_shape=True,
+                   tbl_hide_column_data_types=True):
+        print(frame)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import dagster as dg
+
+    from orchestration.resources import AnalysisSettings, UpdateLensResource
+    from orchestration.runner import materialize_model, project_dagster_home
+    from storage import catalog
+    from updatelens.errors import UpdateLensError
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
+    kwargs: dict[str, object] = {"corpus": args.corpus}
+    if args.data_root:
+        kwargs["data_root"] = str(Path(args.data_root).resolve())
+    if args.registry:
+        kwargs["registry"] = str(Path(args.registry).resolve())
+    try:
+        lens = UpdateLensResource(analysis=AnalysisSettings(**_settings(args)), **kwargs)
+        cfg = lens.config()
+        cfg.validate()
+    except (UpdateLensError, ValueError) as exc:
+        print(f"updatelens run: {exc}", file=sys.stderr)
+        return 2
+    print(f"updatelens: model {args.model}, corpus {args.corpus}, config {cfg.config_id}, data {lens.data_root}",
+          flush=True)
+    start = time.perf_counter()
+    instance = dg.DagsterInstance.get()
+    try:
+        result = materialize_model(args.model, lens, instance, layers=_parse_layers(args.layers),
+                                   log_level="INFO")
+    except (UpdateLensError, ValueError) as exc:
+        print(f"updatelens run: {exc}", file=sys.stderr)
+        return 2
+    except dg.DagsterExecutionStepExecutionError as exc:
+        print(f"updatelens run: step failed: {exc.user_exception}", file=sys.stderr)
+        return 1
+    wall = time.perf_counter() - start
+    peak = _peak_rss_gib()
+    if not result.success:
+        print("updatelens run: the run failed (see the log above)", file=sys.stderr)
+        return 1
+    print(f"\nPer-layer summary ({args.model}, config {cfg.config_id}; SQL view layer_summary):")
+    _print_frame(catalog.query(lens.root, SUMMARY_SQL.format(model=args.model, config_id=cfg.config_id)))
+    print(f"\npipeline wall time {wall:.1f} s, peak RSS {peak:.2f} GiB; catalog {catalog.catalog_path(lens.root)}")
+    return 0
+
+
+def _peak_rss_gib() -> float:
+    """High-water mark of this process (the run executes in-process); ru_maxrss is KiB on Linux."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    import duckdb
+
+    from orchestration.resources import default_data_root
+    from storage import catalog
+
+    root = Path(args.data_root or default_data_root())
+    try:
+        frame = catalog.query(root, args.query)
+    except duckdb.Error as exc:
+        print(f"updatelens sql: {exc}", file=sys.stderr)
+        return 2
+    _print_frame(frame)
+    return 0
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from orchestration.runner import project_dagster_home
+
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, DAGSTER_HOME=str(project_dagster_home(repo)), HF_HUB_OFFLINE="1")
+    cmd = ["dagster", "dev", "-w", str(repo / "workspace.yaml"), "-h", args.host, "-p", str(args.port)]
+    print(f"Dagster UI on http://{args.host}:{args.port} (DAGSTER_HOME={env['DAGSTER_HOME']})", flush=True)
+    # restore default signal handling so SIGTERM stops the server even when started with `&`
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, preexec_fn=lambda: (
+        signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)))
+
+    def forward(signum: int, _frame: object) -> None:
+        proc.send_signal(signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="updatelens", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="materialize all five stages for a model, headless")
+    run.add_argument("--model", default="smollm2-135m", help="registry slug (default: the embedded SmolLM2)")
+    run.add_argument("--corpus", default="wiki-embedded")
+    run.add_argument("--layers", help="a contiguous range like 3-7 (default: all)")
+    run.add_argument("--classes", help="comma-separated function classes (default diagonal,lowrank)")
+    run.add_argument("--n-seq", dest="n_seq", type=int)
+    run.add_argument("--seq-len", dest="seq_len", type=int)
+    run.add_argument("--k", type=int)
+    run.add_argument("--rank", type=int)
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="any AnalysisConfig field, e.g. --set exclusion=self --set controls='[\"random\"]'")
+    run.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
+    run.add_argument("--registry", help="default: $UPDATELENS_REGISTRY or registry/registry.toml")
+    run.set_defaults(func=cmd_run)
+
+    sql = sub.add_parser("sql", help="run SQL over the stored tables and print the result")
+    sql.add_argument("query")
+    sql.add_argument("--data-root")
+    sql.set_defaults(func=cmd_sql)
+
+    ui = sub.add_parser("ui", help="start the Dagster UI (dagster dev) on 127.0.0.1")
+    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--port", type=int, default=3000)
+    ui.set_defaults(func=cmd_ui)
+
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The one resource the assets share: where data lives, which registry, and the analysis settings.
+
+The analysis settings are Dagster config generated from the engine's AnalysisConfig dataclass (one
+source of truth for names and defaults); the launchpad shows them under `resources.lens.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pydantic
+import torch
+
+from updatelens.config import AnalysisConfig
+from updatelens.corpus import Sample, make_sample
+from updatelens.models import LoadedModel, load_model
+from updatelens.registry import get_corpus, get_model, registry_path
+
+
+def _settings_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(AnalysisConfig):
+        default = f.default
+        if isinstance(default, tuple):
+            inner = type(default[0]) if default else str
+            fields[f.name] = (list[inner], list(default))  # type: ignore[valid-type]
+        else:
+            fields[f.name] = (type(default), default)
+    return fields
+
+
+AnalysisSettings = pydantic.create_model(  # type: ignore[call-overload]
+    "AnalysisSettings",
+    __base__=dg.Config,
+    __doc__="Every knob of METHOD.md (see updatelens.config.AnalysisConfig); recorded with results.",
+    **_settings_fields(),
+)
+
+_MODEL_CACHE: dict[tuple[str, str], LoadedModel] = {}
+
+
+def default_data_root() -> str:
+    return os.environ.get("UPDATELENS_DATA", str(Path.cwd() / "data"))
+
+
+class UpdateLensResource(dg.ConfigurableResource):
+    """Data root, registry and the analysis configuration of a run."""
+
+    data_root: str = pydantic.Field(default_factory=default_data_root)
+    registry: str = pydantic.Field(default_factory=lambda: str(registry_path()))
+    corpus: str = "wiki-embedded"
+    analysis: AnalysisSettings = pydantic.Field(default_factory=AnalysisSettings)  # type: ignore[valid-type]
+
+    @property
+    def root(self) -> Path:
+        return Path(self.data_root)
+
+    def config(self) -> AnalysisConfig:
+        return AnalysisConfig.from_dict(self.analysis.model_dump())  # type: ignore[attr-defined]
+
+    def load(self, model: str) -> LoadedModel:
+        """Load (or reuse) a model; one model is kept in memory at a time."""
+        cfg = self.config()
+        key = (model, cfg.device)
+        if key not in _MODEL_CACHE:
+            _MODEL_CACHE.clear()
+            entry = get_model(model, Path(self.registry))
+            _MODEL_CACHE[key] = load_model(entry, device=cfg.device, dtype=torch.float32)
+        return _MODEL_CACHE[key]
+
+    def sample(self, lm: LoadedModel) -> Sample:
+        cfg = self.config()
+        entry = get_corpus(self.corpus, Path(self.registry))
+        return make_sample(entry, lm.tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset)

@@ -1,0 +1,70 @@
+"""Headless materialization of a model's partitions: what `updatelens run` and the tests call."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import dagster as dg
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+
+from orchestration.definitions import ASSETS
+from orchestration.partitions import MODEL_LAYER, model_keys, parse_key
+from orchestration.resources import UpdateLensResource
+from updatelens.models import read_depth
+from updatelens.registry import get_model
+
+DAGSTER_YAML = "telemetry:\n  enabled: false\nnux:\n  enabled: false\n"
+
+
+def project_dagster_home(base: Path | None = None) -> Path:
+    """DAGSTER_HOME if set, else `.dagster_home` in the working directory (telemetry and nux off)."""
+    home = Path(os.environ.get("DAGSTER_HOME") or (base or Path.cwd()) / ".dagster_home")
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "dagster.yaml").exists():
+        (home / "dagster.yaml").write_text(DAGSTER_YAML)
+    return home
+
+
+def register_model(instance: dg.DagsterInstance, model: str, n_layers: int) -> list[str]:
+    """Add the model's (model, layer) keys so they are contiguous in the partition order.
+
+    Launching a key range runs exactly those keys; if an earlier registration left the model's
+    keys scattered (or of another depth), they are removed and added again at the end.
+    """
+    wanted = model_keys(model, n_layers)
+    existing = list(instance.get_dynamic_partitions(MODEL_LAYER.name))
+    mine = [k for k in existing if parse_key(k)[0] == model]
+    if mine == wanted and existing[existing.index(wanted[0]) : existing.index(wanted[0]) + n_layers] == wanted:
+        return wanted
+    for key in mine:
+        instance.delete_dynamic_partition(MODEL_LAYER.name, key)
+    instance.add_dynamic_partitions(MODEL_LAYER.name, wanted)
+    return wanted
+
+
+def materialize_model(model: str, lens: UpdateLensResource, instance: dg.DagsterInstance,
+                      layers: Sequence[int] | None = None, registry: Path | None = None,
+                      selection: Sequence[dg.AssetsDefinition] | None = None,
+                      log_level: str = "DEBUG") -> dg.ExecuteInJobResult:
+    """One in-process run over the model's (contiguous) key range, all five stages."""
+    entry = get_model(model, registry or Path(lens.registry))
+    depth = read_depth(entry)
+    lens.config().validate()  # cheap checks before any model is loaded
+    keys = register_model(instance, model, depth)
+    if layers is not None:
+        bad = [layer for layer in layers if not 0 <= layer < depth]
+        if bad:
+            raise ValueError(f"{model} has {depth} layers (0..{depth - 1}); no layer {bad}")
+        keys = [keys[layer] for layer in sorted(set(layers))]
+        if keys != model_keys(model, depth)[min(layers) : max(layers) + 1]:
+            raise ValueError("layers must be a contiguous range (e.g. 3-7) for a single run")
+    tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
+    return dg.materialize(
+        list(selection or ASSETS),
+        instance=instance,
+        resources={"lens": lens},
+        tags=tags,
+        run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
+    )
