@@ -2,6 +2,7 @@
 
 import dagster as dg
 
+from assets import checks
 from assets.common import GROUP, Written, finish, partitions_of
 from orchestration.partitions import MODEL_LAYER
 from orchestration.resources import UpdateLensResource
@@ -17,12 +18,15 @@ from updatelens.capture import capture
     code_version=CODE_VERSION,
     kinds={"pytorch", "parquet"},
     pool="model",
+    check_specs=checks.specs("activations"),
     description="Raw block inputs/outputs (x = h_l, y = h_{l+1}) of every token of the corpus sample, "
                 "captured with forward hooks; one row per (sequence, position).",
 )
 def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
     written = Written()
+    valid: dict[str, checks.Verdict] = {}
+    matches: dict[str, checks.Verdict] = {}
     d_model = 0
     for model, layers in partitions_of(context).items():
         lm = lens.load(model)
@@ -34,7 +38,14 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
         context.log.info(f"{model}: capturing {sample.slice_desc} ({lm.n_layers} blocks, d={lm.d_model})")
         cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
         prov = provenance(lm, sample, cfg)
+        stored = {}
         for layer in layers:
-            written.add(lens.root, "activations", model, layer, activations_table(cap, layer, cfg, prov))
+            stored[layer] = written.add(lens.root, "activations", model, layer, activations_table(cap, layer, cfg, prov))
+            valid[f"{model}:{layer:02d}"] = checks.check_activations(stored[layer], cfg, lm.d_model, lens.checks)
+        for layer, verdict in checks.check_against_hidden_states(lm, sample.input_ids, stored, lens.checks).items():
+            matches[f"{model}:{layer:02d}"] = verdict
         d_model = lm.d_model
-    return finish(lens.root, cfg, written, {"d_model": d_model})
+    return finish(lens.root, cfg, written, {"d_model": d_model}, [
+        checks.result("activations", "activations_valid", valid, lens.checks),
+        checks.result("activations", "activations_match_hidden_states", matches, lens.checks),
+    ])

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import dagster as dg
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from orchestration.partitions import group_keys
 from storage import catalog
@@ -51,18 +52,21 @@ class Written:
     paths: list[str] = field(default_factory=list)
     partitions: list[str] = field(default_factory=list)
 
-    def add(self, root: Path, name: str, model: str, layer: int, table: pa.Table) -> None:
+    def add(self, root: Path, name: str, model: str, layer: int, table: pa.Table) -> pa.Table:
+        """Write a partition and return it as read back from disk: checks validate the file."""
         path = write_partition(root, name, model, layer, table)
         self.rows[name] = self.rows.get(name, 0) + len(table)
         self.paths.append(str(path))
         self.partitions.append(f"{model}:{layer:02d}")
+        return pq.read_table(path)
 
 
 def partitions_of(context: dg.AssetExecutionContext) -> dict[str, list[int]]:
     return group_keys(context.partition_keys)
 
 
-def finish(root: Path, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None) -> dg.MaterializeResult:
+def finish(root: Path, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None,
+           check_results: list[dg.AssetCheckResult] | None = None) -> dg.MaterializeResult:
     catalog.refresh(root)
     # one partition: its file; several: the table folder they live under
     where = written.paths[0] if len(written.paths) == 1 else str(Path(written.paths[0]).parents[2])
@@ -75,4 +79,4 @@ def finish(root: Path, cfg: AnalysisConfig, written: Written, extra: dict[str, o
     for name, n in written.rows.items():
         metadata[f"rows_{name}"] = n
     metadata.update(extra or {})
-    return dg.MaterializeResult(metadata=metadata)
+    return dg.MaterializeResult(metadata=metadata, check_results=check_results or [])

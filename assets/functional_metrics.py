@@ -3,6 +3,7 @@ Spearman(error, KL)."""
 
 import dagster as dg
 
+from assets import checks
 from assets.common import GROUP, Written, finish, partitions_of, provenance_from, read_upstream
 from assets.geometry import geometry
 from orchestration.partitions import MODEL_LAYER
@@ -21,6 +22,7 @@ from updatelens.perturbation import original_log_probs
     kinds={"pytorch", "parquet"},
     deps=[geometry],
     pool="model",
+    check_specs=checks.specs("functional_metrics"),
     description="Per token KL of the next-token distribution when block l's output is replaced by "
                 "T(h_l) (residual removed), plus random-direction and cruder-class controls; per layer "
                 "Spearman(error, KL) in table `functional_summary`.",
@@ -28,6 +30,7 @@ from updatelens.perturbation import original_log_probs
 def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
     written = Written()
+    verdicts: dict[str, checks.Verdict] = {}
     for model, layers in partitions_of(context).items():
         lm = lens.load(model)
         returns_tuple = block_output_is_tuple(lm)
@@ -40,7 +43,11 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
                 orig = original_log_probs(lm, data.input_ids, cfg.patch_batch)
             fits = fits_from_table(read_upstream(lens.root, "local_fits", model, layer, cfg), data)
             fm, fs = functional_tables(lm, data, fits, orig, cfg, provenance_from(act, cfg), returns_tuple)
-            written.add(lens.root, "functional_metrics", model, layer, fm)
-            written.add(lens.root, "functional_summary", model, layer, fs)
+            stored_fm = written.add(lens.root, "functional_metrics", model, layer, fm)
+            stored_fs = written.add(lens.root, "functional_summary", model, layer, fs)
+            verdict = checks.check_functional(stored_fm, stored_fs, lens.checks)
+            verdict.merge(checks.check_identity_patch(lm, data, orig, cfg.patch_batch, returns_tuple, lens.checks))
+            verdicts[f"{model}:{layer:02d}"] = verdict
             context.log.info(f"{model} layer {layer}: patched forwards done")
-    return finish(lens.root, cfg, written)
+    return finish(lens.root, cfg, written, check_results=[
+        checks.result("functional_metrics", "functional_valid", verdicts, lens.checks)])

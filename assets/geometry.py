@@ -2,6 +2,7 @@
 
 import dagster as dg
 
+from assets import checks
 from assets.common import GROUP, Written, finish, partitions_of, provenance_from, read_upstream
 from assets.residuals import residuals
 from orchestration.partitions import MODEL_LAYER
@@ -17,6 +18,7 @@ from updatelens.analysis import fits_from_table, geometry_tables, layer_data
     code_version=CODE_VERSION,
     kinds={"parquet"},
     deps=[residuals],
+    check_specs=checks.specs("geometry"),
     description="Per token: cosines and angles between Δ_full, Δ_tok and r (update and map forms), "
                 "projection energies on the top-m tokenwise subspace; per layer: singular spectra "
                 "(table `spectra`).",
@@ -24,6 +26,7 @@ from updatelens.analysis import fits_from_table, geometry_tables, layer_data
 def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
     written = Written()
+    verdicts: dict[str, checks.Verdict] = {}
     for model, layers in partitions_of(context).items():
         for layer in layers:
             act = read_upstream(lens.root, "activations", model, layer, cfg)
@@ -31,6 +34,8 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.
             data = layer_data(act)
             fits = fits_from_table(read_upstream(lens.root, "local_fits", model, layer, cfg), data)
             geo, spec = geometry_tables(data, fits, cfg, provenance_from(act, cfg))
-            written.add(lens.root, "geometry", model, layer, geo)
-            written.add(lens.root, "spectra", model, layer, spec)
-    return finish(lens.root, cfg, written)
+            stored_geo = written.add(lens.root, "geometry", model, layer, geo)
+            stored_spec = written.add(lens.root, "spectra", model, layer, spec)
+            verdicts[f"{model}:{layer:02d}"] = checks.check_geometry(stored_geo, stored_spec)
+    return finish(lens.root, cfg, written, check_results=[
+        checks.result("geometry", "geometry_ranges", verdicts, lens.checks)])

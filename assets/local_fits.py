@@ -3,6 +3,7 @@
 import dagster as dg
 import numpy as np
 
+from assets import checks
 from assets.activations import activations
 from assets.common import GROUP, Written, finish, partitions_of, provenance_from, read_upstream
 from orchestration.partitions import MODEL_LAYER
@@ -18,12 +19,14 @@ from updatelens.analysis import compute_fits, fits_table, layer_data
     code_version=CODE_VERSION,
     kinds={"faiss", "parquet"},
     deps=[activations],
+    check_specs=checks.specs("local_fits"),
     description="T(x) at every kept token for each function class, fitted on the token's k nearest "
                 "neighbours (other sequences) and evaluated out of sample; fit condition numbers.",
 )
 def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
     written = Written()
+    verdicts: dict[str, checks.Verdict] = {}
     degenerate = 0
     for model, layers in partitions_of(context).items():
         for layer in layers:
@@ -31,7 +34,10 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> d
             data = layer_data(act)
             fits, neighbours = compute_fits(data, cfg)
             degenerate += int(sum(np.sum(f.degenerate) for f in fits.values()))
-            written.add(lens.root, "local_fits", model, layer,
-                        fits_table(data, fits, neighbours, provenance_from(act, cfg)))
+            stored = written.add(lens.root, "local_fits", model, layer,
+                                 fits_table(data, fits, neighbours, provenance_from(act, cfg)))
+            verdicts[f"{model}:{layer:02d}"] = checks.check_fits(stored, cfg, data.x.shape[1], lens.checks,
+                                                                 data.x.astype(np.float64), neighbours)
             context.log.info(f"{model} layer {layer}: fitted {', '.join(cfg.classes)}")
-    return finish(lens.root, cfg, written, {"degenerate_fits": degenerate})
+    return finish(lens.root, cfg, written, {"degenerate_fits": degenerate},
+                  [checks.result("local_fits", "fits_valid", verdicts, lens.checks)])

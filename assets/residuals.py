@@ -1,8 +1,10 @@
 """Stage 3: the decomposition Δ_full = Δ_tok + r, residual vectors, norms and relative errors."""
 
 import dagster as dg
+import numpy as np
 import pyarrow.compute as pc
 
+from assets import checks
 from assets.common import GROUP, Written, finish, partitions_of, provenance_from, read_upstream
 from assets.local_fits import local_fits
 from orchestration.partitions import MODEL_LAYER
@@ -18,21 +20,29 @@ from updatelens.analysis import fits_from_table, layer_data, residuals_table
     code_version=CODE_VERSION,
     kinds={"parquet"},
     deps=[local_fits],
+    check_specs=checks.specs("residuals"),
     description="Residual r = y - T(x) per token and class, with ||Δ_full||, ||Δ_tok||, ||r|| and the "
                 "relative error ||r|| / ||Δ_full||.",
 )
 def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
     written = Written()
+    recon: dict[str, checks.Verdict] = {}
+    bounds: dict[str, checks.Verdict] = {}
     medians: dict[str, float] = {}
     for model, layers in partitions_of(context).items():
         for layer in layers:
             act = read_upstream(lens.root, "activations", model, layer, cfg)
             data = layer_data(act)
             fits = fits_from_table(read_upstream(lens.root, "local_fits", model, layer, cfg), data)
-            table = residuals_table(data, fits, provenance_from(act, cfg))
-            written.add(lens.root, "residuals", model, layer, table)
+            stored = written.add(lens.root, "residuals", model, layer, residuals_table(data, fits, provenance_from(act, cfg)))
+            key = f"{model}:{layer:02d}"
+            recon[key] = checks.check_reconstruction(stored, data, fits, cfg, lens.checks)
+            bounds[key] = checks.check_rel_err_bounds(stored, lens.checks)
             for fn_class in cfg.classes:
-                part = table.filter(pc.equal(table["fn_class"], fn_class))
-                medians[f"rel_err_median_{fn_class}"] = float(pc.approximate_median(part["rel_err"]).as_py())
-    return finish(lens.root, cfg, written, medians if len(written.partitions) == 1 else {})
+                part = stored.filter(pc.equal(stored["fn_class"], fn_class))
+                medians[f"rel_err_median_{fn_class}"] = float(np.median(part["rel_err"].to_numpy()))
+    return finish(lens.root, cfg, written, medians if len(written.partitions) == 1 else {}, [
+        checks.result("residuals", "reconstruction_exact", recon, lens.checks),
+        checks.result("residuals", "rel_err_within_bounds", bounds, lens.checks),
+    ])

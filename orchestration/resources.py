@@ -15,6 +15,7 @@ import dagster as dg
 import pydantic
 import torch
 
+from assets.checks import CheckSettings
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample, make_sample
 from updatelens.models import LoadedModel, load_model
@@ -54,6 +55,7 @@ class UpdateLensResource(dg.ConfigurableResource):
     registry: str = pydantic.Field(default_factory=lambda: str(registry_path()))
     corpus: str = "wiki-embedded"
     analysis: AnalysisSettings = pydantic.Field(default_factory=AnalysisSettings)  # type: ignore[valid-type]
+    checks: CheckSettings = pydantic.Field(default_factory=CheckSettings)
 
     @property
     def root(self) -> Path:

@@ -112,7 +112,7 @@ def layer_data(table: pa.Table) -> LayerData:
     d = x.shape[1]
     return LayerData(
         layer=int(table["layer"][0].as_py()),
-        input_ids=table["token_id"].to_numpy().reshape(n_seq, seq_len),
+        input_ids=table["token_id"].to_numpy().reshape(n_seq, seq_len).copy(),
         kept=table["kept"].to_numpy(zero_copy_only=False).reshape(n_seq, seq_len),
         x_full=x.reshape(n_seq, seq_len, d),
         y_full=y.reshape(n_seq, seq_len, d),

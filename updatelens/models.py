@@ -28,6 +28,10 @@ class Adapter:
     blocks: str
     # Whether the model may be fed padded batches. Mamba's scan has no attention mask: never pad.
     allows_padding: bool = True
+    # output_hidden_states[i] is h_{i + offset}: Transformers start at the embeddings (0); HF Mamba
+    # (transformers 5.x) records only block outputs, so its tuple starts at h_1. The last entry has
+    # the final norm applied either way.
+    hidden_states_offset: int = 0
 
 
 ADAPTERS: dict[str, Adapter] = {
@@ -42,8 +46,8 @@ ADAPTERS: dict[str, Adapter] = {
     "phi3": Adapter("model.layers"),
     "olmo": Adapter("model.layers"),
     "opt": Adapter("model.decoder.layers"),
-    "mamba": Adapter("backbone.layers", allows_padding=False),
-    "mamba2": Adapter("backbone.layers", allows_padding=False),
+    "mamba": Adapter("backbone.layers", allows_padding=False, hidden_states_offset=1),
+    "mamba2": Adapter("backbone.layers", allows_padding=False, hidden_states_offset=1),
 }
 
 
@@ -59,6 +63,7 @@ class LoadedModel:
     max_positions: int | None
     revision: str
     allows_padding: bool
+    hidden_states_offset: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -260,4 +265,5 @@ def load_model(entry: ModelEntry, device: str = "cpu", dtype: torch.dtype = torc
         max_positions=int(max_pos) if max_pos else None,
         revision=revision,
         allows_padding=adapter.allows_padding,
+        hidden_states_offset=adapter.hidden_states_offset,
     )

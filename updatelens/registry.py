@@ -76,7 +76,8 @@ def registry_path() -> Path:
     return Path(os.environ.get("UPDATELENS_REGISTRY", str(DEFAULT_REGISTRY)))
 
 
-def _load(path: Path) -> dict[str, dict[str, dict[str, str]]]:
+def _load(path: Path | str) -> dict[str, dict[str, dict[str, str]]]:
+    path = Path(path)
     if not path.exists():
         raise RegistryError(f"registry file {path} does not exist; set UPDATELENS_REGISTRY or create it")
     try:

@@ -49,9 +49,10 @@ def fit_local_batched(fn_class: str, x: np.ndarray, y: np.ndarray, neighbours: n
     Y_all = torch.as_tensor(y, device=device).to(dtype)
     nb = torch.as_tensor(neighbours, device=device)
     txs, conds = [], []
-    for start in range(0, len(x), chunk):
+    # anchor i is token i: neighbours may cover only the first anchors (e.g. a sanity subsample)
+    for start in range(0, len(nb), chunk):
         idx = nb[start : start + chunk]
-        res = fitter(X_all[idx], Y_all[idx], X_all[start : start + chunk], params)
+        res = fitter(X_all[idx], Y_all[idx], X_all[start : start + len(idx)], params)
         txs.append(res.tx)
         conds.append(res.cond)
     return LocalFit(tx=torch.cat(txs), cond=torch.cat(conds))

@@ -1,0 +1,332 @@
+"""Data-quality checks of every stage: what each validates, as functions of the written tables.
+
+Each asset declares its checks as `check_specs` and evaluates them on the partitions it has just
+written (read back from Parquet, so the file is what is checked). Capture and fit checks are
+blocking: a failure stops the downstream steps of the same run. Scalar columns go through
+great-expectations suites; vector columns and cross-table identities through numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import dagster as dg
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from assets.expectations import Expect, Verdict, between, row_count, validate
+from updatelens.analysis import LayerData
+from updatelens.config import AnalysisConfig
+from updatelens.fits import FitParams, LayerFit, fit_local_batched
+from updatelens.fits.global_linear import fit_global_linear
+from updatelens.models import LoadedModel
+from updatelens.perturbation import Variant, patched_kl
+from updatelens.tables import to_matrix
+
+
+class CheckSettings(dg.Config):
+    """Thresholds of the data-quality checks (configuration, recorded in check metadata)."""
+
+    max_state_norm: float = 1e6  # any hidden-state norm above this is a blow-up
+    hidden_state_tol: float = 1e-4  # captured vs output_hidden_states, relative to the state's scale
+    hidden_state_sequences: int = 2  # sequences recomputed for that comparison
+    reconstruction_tol: float = 1e-5  # |y - T(x) - r| relative to ||y||
+    identity_tol: float = 1e-6  # fits on y = x must give T(x) = x to this relative error
+    max_degenerate_frac: float = 0.05  # share of ill-conditioned or non-finite fits per class
+    max_best_rel_err_median: float = 1.0  # the best class must explain part of the update
+    min_tokens_spearman: int = 20  # Spearman must be defined (and in [-1, 1]) with this many tokens
+    identity_kl_tol: float = 1e-6  # KL of the identity patch (patched = true state)
+
+
+@dataclass(frozen=True)
+class CheckDef:
+    name: str
+    blocking: bool
+    description: str
+
+
+CHECKS: dict[str, list[CheckDef]] = {
+    "activations": [
+        CheckDef("activations_valid", True, "row count = tokens of the sample, vector length = d_model, "
+                 "no NaN/Inf, norms within bounds"),
+        CheckDef("activations_match_hidden_states", True, "captured states equal the model's "
+                 "output_hidden_states (all but the last) on a sample of sequences"),
+    ],
+    "local_fits": [
+        CheckDef("fits_valid", True, "one finite T(x) of length d_model per kept token and class; "
+                 "degenerate share under its bound; fits on y = x return x (identity sanity)"),
+    ],
+    "residuals": [
+        CheckDef("reconstruction_exact", True, "Δ_full = Δ_tok + r to float tolerance; relative "
+                 "errors finite and >= 0"),
+        CheckDef("rel_err_within_bounds", False, "median relative error of the best class is "
+                 "below its configured bound"),
+    ],
+    "geometry": [
+        CheckDef("geometry_ranges", False, "cosines in [-1, 1], angles in [0, 180], projection "
+                 "energies in [0, 1], singular values >= 0 and non-increasing"),
+    ],
+    "functional_metrics": [
+        CheckDef("functional_valid", False, "KL finite and >= 0; Spearman in [-1, 1] with enough "
+                 "tokens; the identity patch gives KL 0"),
+    ],
+}
+
+
+def specs(asset: str) -> list[dg.AssetCheckSpec]:
+    return [dg.AssetCheckSpec(c.name, asset=asset, blocking=c.blocking, description=c.description)
+            for c in CHECKS[asset]]
+
+
+def result(asset: str, name: str, verdicts: dict[str, Verdict], settings: CheckSettings) -> dg.AssetCheckResult:
+    """One check result over the partitions of this run: passes iff every partition passes."""
+    total = Verdict()
+    for partition, v in verdicts.items():
+        total.merge(v, prefix=f"{partition}: " if len(verdicts) > 1 else "")
+    evaluated = sorted(set(total.evaluated))
+    n_failed = len(total.failures)
+    metadata = {
+        "partitions_checked": len(verdicts),
+        "expectations": dg.MetadataValue.json(evaluated),
+        "expectations_evaluated": len(total.evaluated),
+        "expectations_failed": n_failed,
+        "expectations_passed": len(total.evaluated) - n_failed,
+        "thresholds": dg.MetadataValue.json(settings.model_dump()),
+    }
+    if n_failed:
+        metadata["failures"] = dg.MetadataValue.md("\n".join(f"- {f}" for f in total.failures[:50]))
+        metadata["worst_offenders"] = dg.MetadataValue.json(total.offenders[:20])
+    blocking = next(c.blocking for c in CHECKS[asset] if c.name == name)
+    return dg.AssetCheckResult(
+        asset_key=asset,
+        check_name=name,
+        passed=total.passed,
+        severity=dg.AssetCheckSeverity.ERROR if blocking else dg.AssetCheckSeverity.WARN,
+        description="; ".join(total.failures[:3]) if n_failed else None,
+        metadata=metadata,
+    )
+
+
+def _finite_rows(matrix: np.ndarray) -> np.ndarray:
+    return np.isfinite(matrix).all(axis=1)
+
+
+def _ids(table: pa.Table, rows: Iterable[int], extra: dict[str, np.ndarray] | None = None) -> list[dict[str, object]]:
+    out = []
+    for i in list(rows)[:10]:
+        row = {c: table[c][int(i)].as_py() for c in ("fn_class", "seq", "pos") if c in table.column_names}
+        for key, values in (extra or {}).items():
+            row[key] = float(values[int(i)])
+        out.append(row)
+    return out
+
+
+def _vectors(table: pa.Table, column: str, d_model: int, verdict: Verdict) -> np.ndarray | None:
+    width = table.schema.field(column).type.list_size if pa.types.is_fixed_size_list(table.schema.field(column).type) else -1
+    verdict.expect(f"vector_length({column}) = {d_model}", width == d_model,
+                   f"{column} vectors have length {width}, expected d_model = {d_model}")
+    if width != d_model:
+        return None
+    matrix = to_matrix(table[column], np.float64)
+    bad = np.flatnonzero(~_finite_rows(matrix))
+    verdict.expect(f"finite({column})", len(bad) == 0, f"{column} has {len(bad)} rows with NaN/Inf",
+                   _ids(table, bad))
+    return matrix
+
+
+# ---- activations ----------------------------------------------------------------------------
+def check_activations(table: pa.Table, cfg: AnalysisConfig, d_model: int, settings: CheckSettings) -> Verdict:
+    n_tokens = cfg.n_seq * cfg.seq_len
+    n_kept = cfg.n_seq * (cfg.seq_len - (1 if cfg.skip_first_position else 0))
+    frame = table.select(["seq", "pos", "token_id", "kept"]).to_pandas()
+    verdict = validate(frame, [
+        row_count(n_tokens),
+        *between("seq", 0, cfg.n_seq - 1),
+        *between("pos", 0, cfg.seq_len - 1),
+        Expect("ExpectCompoundColumnsToBeUnique", {"column_list": ["seq", "pos"]}),
+        Expect("ExpectColumnSumToBeBetween", {"column": "kept", "min_value": n_kept, "max_value": n_kept}),
+    ])
+    for column in ("x", "y"):
+        matrix = _vectors(table, column, d_model, verdict)
+        if matrix is not None:
+            norms = np.linalg.norm(np.nan_to_num(matrix, nan=0.0, posinf=np.inf), axis=1)
+            bad = np.flatnonzero(norms > settings.max_state_norm)
+            verdict.expect(f"norm({column}) <= {settings.max_state_norm:g}", len(bad) == 0,
+                           f"{column} has {len(bad)} rows with norm above {settings.max_state_norm:g}",
+                           _ids(table, bad, {"norm": norms}))
+    return verdict
+
+
+def check_against_hidden_states(lm: LoadedModel, input_ids: np.ndarray, tables: dict[int, pa.Table],
+                                settings: CheckSettings) -> dict[int, Verdict]:
+    """Recompute output_hidden_states for a few sequences; compare with the stored x and y."""
+    n = min(settings.hidden_state_sequences, len(input_ids))
+    ids = torch.as_tensor(input_ids[:n], device=lm.device)
+    with torch.inference_mode():
+        kwargs = {"attention_mask": torch.ones_like(ids)} if lm.allows_padding else {}
+        hidden = lm.model(input_ids=ids, output_hidden_states=True, use_cache=False, **kwargs).hidden_states
+    out: dict[int, Verdict] = {}
+    for layer, table in tables.items():
+        verdict = Verdict()
+        sub = table.filter(pc.less(table["seq"], n)).sort_by([("seq", "ascending"), ("pos", "ascending")])
+        for column, state in (("x", layer), ("y", layer + 1)):
+            index = state - lm.hidden_states_offset  # position of h_state in the tuple
+            if not 0 <= index < len(hidden) - 1:  # absent, or the last entry (final norm applied)
+                continue
+            if pa.types.is_fixed_size_list(sub.schema.field(column).type) and sub.schema.field(column).type.list_size == lm.d_model:
+                stored = to_matrix(sub[column], np.float64)
+                ref = hidden[index].double().cpu().numpy().reshape(-1, lm.d_model)
+                if stored.shape != ref.shape:
+                    verdict.expect(f"hidden_states[{index}] shape", False,
+                                   f"stored {column} has {stored.shape[0]} rows for the first {n} sequences, "
+                                   f"the model gives {ref.shape[0]}")
+                    continue
+                scale = np.abs(ref).max() + 1e-12
+                err = np.abs(stored - ref).max(axis=1) / scale
+                bad = np.flatnonzero(~(err <= settings.hidden_state_tol))
+                verdict.expect(f"{column} == hidden_states[{index}] (tol {settings.hidden_state_tol:g})",
+                               len(bad) == 0,
+                               f"{column} differs from output_hidden_states[{index}] on {len(bad)} rows "
+                               f"(max relative error {np.nanmax(err):.2e})", _ids(sub, bad, {"rel_err": err}))
+        out[layer] = verdict
+    return out
+
+
+# ---- local fits -----------------------------------------------------------------------------
+def check_fits(table: pa.Table, cfg: AnalysisConfig, d_model: int, settings: CheckSettings,
+               x: np.ndarray, neighbours: np.ndarray | None) -> Verdict:
+    n_kept = len(x)
+    frame = table.select(["fn_class", "seq", "pos", "degenerate"]).to_pandas()
+    verdict = validate(frame, [
+        row_count(n_kept * len(cfg.classes)),
+        Expect("ExpectColumnDistinctValuesToEqualSet", {"column": "fn_class", "value_set": list(cfg.classes)}),
+        Expect("ExpectCompoundColumnsToBeUnique", {"column_list": ["fn_class", "seq", "pos"]}),
+    ])
+    _vectors(table, "tx", d_model, verdict)
+    for fn_class in cfg.classes:
+        part = table.filter(pc.equal(table["fn_class"], fn_class))
+        frac = float(np.mean(part["degenerate"].to_numpy(zero_copy_only=False))) if len(part) else 1.0
+        verdict.expect(f"degenerate_share({fn_class}) <= {settings.max_degenerate_frac}",
+                       frac <= settings.max_degenerate_frac,
+                       f"{fn_class}: {frac:.1%} of fits are degenerate (bound {settings.max_degenerate_frac:.0%})")
+    verdict.merge(identity_sanity(cfg, x, neighbours, settings))
+    return verdict
+
+
+def identity_sanity(cfg: AnalysisConfig, x: np.ndarray, neighbours: np.ndarray | None,
+                    settings: CheckSettings, n_anchors: int = 64) -> Verdict:
+    """Fit every linear class on y = x (a zero update): T(x) must be x, so the error is zero."""
+    verdict = Verdict()
+    params = FitParams(rank=cfg.rank, ridge=cfg.ridge, orthogonal_scale=cfg.orthogonal_scale)
+    scale = np.linalg.norm(x[:n_anchors], axis=1) + 1e-30
+    for fn_class in cfg.classes:
+        if fn_class == "mlp":
+            continue  # trained by gradient descent: zero only approximately, not a sanity identity
+        if fn_class == "global_linear":
+            X = torch.as_tensor(x, dtype=torch.float64)
+            B, _ = fit_global_linear(X, X, params)
+            tx = (X[:n_anchors] + X[:n_anchors] @ B).numpy()
+        else:
+            assert neighbours is not None
+            tx = fit_local_batched(fn_class, x, x, neighbours[:n_anchors], params).tx.numpy()
+            tx = tx[: len(scale)]
+        err = np.linalg.norm(tx - x[:n_anchors], axis=1) / scale
+        verdict.expect(f"identity_sanity({fn_class})", bool(np.all(err <= settings.identity_tol)),
+                       f"{fn_class}: fitted on a zero update, T(x) differs from x by {np.max(err):.2e} "
+                       f"(bound {settings.identity_tol:g})")
+    return verdict
+
+
+# ---- residuals ------------------------------------------------------------------------------
+def check_reconstruction(residuals: pa.Table, data: LayerData, fits: dict[str, LayerFit],
+                         cfg: AnalysisConfig, settings: CheckSettings) -> Verdict:
+    frame = residuals.select(["fn_class", "seq", "pos", "rel_err", "norm_full", "norm_tok", "norm_res"]).to_pandas()
+    verdict = validate(frame, [row_count(len(data.x) * len(cfg.classes)),
+                               *between("rel_err", 0), *between("norm_res", 0), *between("norm_full", 0)])
+    rel = residuals["rel_err"].to_numpy()
+    bad = np.flatnonzero(~np.isfinite(rel))
+    verdict.expect("finite(rel_err)", len(bad) == 0, f"rel_err is not finite on {len(bad)} rows",
+                   _ids(residuals, bad))
+    y = data.y.astype(np.float64)
+    for fn_class, fit in fits.items():
+        part = residuals.filter(pc.equal(residuals["fn_class"], fn_class))
+        if not pa.types.is_fixed_size_list(part.schema.field("residual").type) or len(part) != len(y):
+            verdict.expect(f"reconstruction({fn_class})", False,
+                           f"{fn_class}: residual rows do not align with the kept tokens")
+            continue
+        r = to_matrix(part["residual"], np.float64)
+        gap = np.linalg.norm(y - (fit.tx + r), axis=1) / (np.linalg.norm(y, axis=1) + 1e-30)
+        bad = np.flatnonzero(~(gap <= settings.reconstruction_tol))
+        verdict.expect(f"reconstruction({fn_class}): Δ_full = Δ_tok + r", len(bad) == 0,
+                       f"{fn_class}: Δ_full != Δ_tok + r on {len(bad)} rows (max gap {np.nanmax(gap):.2e} "
+                       f"of ||y||, tolerance {settings.reconstruction_tol:g})", _ids(part, bad, {"gap": gap}))
+    return verdict
+
+
+def check_rel_err_bounds(residuals: pa.Table, settings: CheckSettings) -> Verdict:
+    verdict = Verdict()
+    medians = {}
+    for fn_class in dict.fromkeys(residuals["fn_class"].to_pylist()):
+        part = residuals.filter(pc.equal(residuals["fn_class"], fn_class))
+        medians[fn_class] = float(np.median(part["rel_err"].to_numpy()))
+    best = min(medians, key=medians.get) if medians else ""
+    ok = bool(medians) and medians[best] <= settings.max_best_rel_err_median
+    verdict.expect(f"median rel_err of best class <= {settings.max_best_rel_err_median}", ok,
+                   f"best class {best!r} has median relative error {medians.get(best, float('nan')):.3f} "
+                   f"(bound {settings.max_best_rel_err_median})", [{"fn_class": c, "rel_err_median": m}
+                                                                   for c, m in medians.items()])
+    return verdict
+
+
+# ---- geometry -------------------------------------------------------------------------------
+def check_geometry(geometry: pa.Table, spectra: pa.Table) -> Verdict:
+    cos_cols = [c for c in geometry.column_names if c.startswith("cos_")]
+    angle_cols = [c for c in geometry.column_names if c.startswith("angle_")]
+    proj_cols = [c for c in geometry.column_names if c.startswith("proj_")]
+    frame = geometry.select(["fn_class", "seq", "pos", *cos_cols, *angle_cols, *proj_cols]).to_pandas()
+    expectations = [e for c in cos_cols for e in between(c, -1.0, 1.0)]
+    expectations += [e for c in angle_cols for e in between(c, 0.0, 180.0)]
+    expectations += [e for c in proj_cols for e in between(c, 0.0, 1.0 + 1e-9)]
+    verdict = validate(frame, expectations)
+    verdict.merge(validate(spectra.select(["sigma", "cum_energy"]).to_pandas(),
+                           [*between("sigma", 0.0), *between("cum_energy", 0.0, 1.0 + 1e-9)], ()))
+    bad = []
+    for (fn_class, which) in {(r["fn_class"], r["which"]) for r in spectra.select(["fn_class", "which"]).to_pylist()}:
+        mask = pc.and_(pc.equal(spectra["fn_class"], fn_class), pc.equal(spectra["which"], which))
+        part = spectra.filter(mask).sort_by("idx")
+        sigma = part["sigma"].to_numpy()
+        if np.any(np.diff(sigma) > 1e-9 * (sigma[0] if len(sigma) else 1)):
+            bad.append({"fn_class": fn_class, "which": which})
+    verdict.expect("singular values non-increasing", not bad, f"singular values increase in {bad}", bad)
+    return verdict
+
+
+# ---- functional metrics ---------------------------------------------------------------------
+def check_functional(fm: pa.Table, summary: pa.Table, settings: CheckSettings) -> Verdict:
+    frame = fm.select(["fn_class", "variant", "seq", "pos", "kl"]).to_pandas()
+    verdict = validate(frame, between("kl", 0.0))
+    kl = fm["kl"].to_numpy()
+    bad = np.flatnonzero(~np.isfinite(kl))
+    verdict.expect("finite(kl)", len(bad) == 0, f"KL is not finite on {len(bad)} rows", _ids(fm, bad))
+    enough = summary.filter(pc.greater_equal(summary["n_tokens"], settings.min_tokens_spearman))
+    if len(enough):
+        verdict.merge(validate(enough.select(["fn_class", "variant", "spearman_relerr_kl", "spearman_normres_kl"]).to_pandas(),
+                               [*between("spearman_relerr_kl", -1.0, 1.0), *between("spearman_normres_kl", -1.0, 1.0)],
+                               ("fn_class", "variant")))
+    return verdict
+
+
+def check_identity_patch(lm: LoadedModel, data: LayerData, orig_logp: torch.Tensor, batch: int,
+                         returns_tuple: bool, settings: CheckSettings) -> Verdict:
+    """Patch block l's output with its own true value on one batch: the KL must be 0."""
+    n = min(batch, len(data.input_ids))
+    kl = patched_kl(lm, data.input_ids[:n], data.layer, [Variant("identity", "-", data.y_full[:n])],
+                    orig_logp[:n], batch, returns_tuple)[0]
+    verdict = Verdict()
+    verdict.expect(f"identity patch KL <= {settings.identity_kl_tol:g}", float(kl.max()) <= settings.identity_kl_tol,
+                   f"identity patch at layer {data.layer} gives KL up to {kl.max():.2e}: the patching "
+                   f"machinery does not reproduce the model")
+    return verdict

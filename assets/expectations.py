@@ -1,0 +1,116 @@
+"""Great Expectations 1.x, called directly (dagster-ge is stale): an ephemeral context, one pandas
+dataframe asset, and suites built from plain specs. GX is imported on first use (~5-8 s).
+
+No Dagster import here: a suite result is a plain `Verdict` that the asset checks turn into
+AssetCheckResults, and a notebook can call `validate` on any frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import pandas as pd
+
+
+@dataclass(frozen=True)
+class Expect:
+    """One expectation: a GX expectation class name and its keyword arguments."""
+
+    kind: str  # e.g. "ExpectColumnValuesToBeBetween"
+    kwargs: dict[str, Any]
+
+    def label(self) -> str:
+        col = self.kwargs.get("column", "")
+        bounds = {k: v for k, v in self.kwargs.items() if k != "column"}
+        return f"{self.kind}({col}{', ' if col and bounds else ''}{', '.join(f'{k}={v}' for k, v in bounds.items())})"
+
+
+@dataclass
+class Verdict:
+    """The outcome of a set of expectations (GX suites and numpy/DuckDB checks alike)."""
+
+    evaluated: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # one message per failed expectation
+    offenders: list[dict[str, Any]] = field(default_factory=list)  # worst rows, for the UI
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def expect(self, label: str, ok: bool, message: str, offenders: list[dict[str, Any]] | None = None) -> None:
+        """Record a check done outside GX (vectors, cross-table joins)."""
+        self.evaluated.append(label)
+        if not ok:
+            self.failures.append(message)
+            self.offenders.extend((offenders or [])[:10])
+
+    def merge(self, other: "Verdict", prefix: str = "") -> None:
+        self.evaluated.extend(other.evaluated)
+        self.failures.extend(f"{prefix}{f}" for f in other.failures)
+        self.offenders.extend({**({"partition": prefix.strip(": ")} if prefix else {}), **o} for o in other.offenders)
+
+
+@lru_cache(maxsize=1)
+def _batch_definition() -> Any:
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)
+    source = context.data_sources.add_pandas("updatelens")
+    asset = source.add_dataframe_asset("partition")
+    return asset.add_batch_definition_whole_dataframe("whole")
+
+
+def validate(frame: pd.DataFrame, expectations: list[Expect], id_columns: tuple[str, ...] = ("seq", "pos")) -> Verdict:
+    """Run the expectations as one GX suite over the frame; offenders are named by id_columns."""
+    import great_expectations as gx
+
+    batch_definition = _batch_definition()  # creates the ephemeral context the suite needs
+    suite = gx.ExpectationSuite(name="updatelens")
+    for e in expectations:
+        suite.add_expectation(getattr(gx.expectations, e.kind)(**e.kwargs))
+    result = batch_definition.get_batch(batch_parameters={"dataframe": frame}).validate(
+        suite, result_format="COMPLETE")
+    verdict = Verdict()
+    ids = [c for c in id_columns if c in frame.columns]
+    for e, r in zip(expectations, result.results):
+        verdict.evaluated.append(e.label())
+        if r.success:
+            continue
+        res = r.result or {}
+        count = res.get("unexpected_count")
+        observed = res.get("observed_value")
+        detail = f"{count} unexpected rows" if count is not None else f"observed {observed}"
+        verdict.failures.append(f"{e.label()} failed: {detail}")
+        for idx in (res.get("unexpected_index_list") or [])[:10]:
+            row = frame.iloc[int(idx)] if isinstance(idx, (int, float)) else None
+            if row is not None:
+                verdict.offenders.append({"expectation": e.kind, **{c: _plain(row[c]) for c in ids},
+                                          **({e.kwargs["column"]: _plain(row[e.kwargs["column"]])}
+                                             if "column" in e.kwargs else {})})
+    return verdict
+
+
+def _plain(value: Any) -> Any:
+    try:
+        return value.item()
+    except AttributeError:
+        return value
+
+
+def between(column: str, low: float | None = None, high: float | None = None) -> list[Expect]:
+    """Not null and within [low, high] (NaN counts as null: pandas treats it so)."""
+    kwargs: dict[str, Any] = {"column": column}
+    if low is not None:
+        kwargs["min_value"] = low
+    if high is not None:
+        kwargs["max_value"] = high
+    return [Expect("ExpectColumnValuesToNotBeNull", {"column": column}),
+            Expect("ExpectColumnValuesToBeBetween", kwargs)]
+
+
+def row_count(n: int) -> Expect:
+    return Expect("ExpectTableRowCountToEqual", {"value": n})

@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Registry file of the tiny GPT-2, Llama and Mamba models (built once per session)."""
+    from tests.zoo import build_zoo
+
+    return build_zoo(tmp_path_factory.mktemp("zoo"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(zoo: Path) -> dict[str, object]:
+    from updatelens.models import load_model
+    from updatelens.registry import load_models
+
+    return {slug: load_model(entry) for slug, entry in load_models(zoo).items()}

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from updatelens.corpus import clean_wikitext, make_sample, read_embedded_wiki, read_text_file
+from updatelens.errors import CorpusError
+from updatelens.registry import CorpusEntry
+
+
+class WordTokenizer:
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [hash(w) % 1000 for w in text.split()]}
+
+
+def test_wikitext_markup_is_removed() -> None:
+    raw = ("'''Anarchism''' is a [[political philosophy|philosophy]]{{sfn|Smith|2001}} "
+           "<ref>cite</ref>that [[advocates]] [http://x.org self-rule].\n== History ==\n* item")
+    assert clean_wikitext(raw) == "Anarchism is a philosophy that advocates self-rule.\nHistory\nitem"
+
+
+def test_embedded_wikipedia_sample_reads_as_prose() -> None:
+    docs = read_embedded_wiki()
+    assert len(docs) > 100
+    text = " ".join(docs)
+    assert "{{" not in text and "[[" not in text and len(text) > 1_000_000
+
+
+def test_windows_are_unpadded_and_respect_offset(tmp_path: Path) -> None:
+    path = tmp_path / "c.txt"
+    path.write_text(" ".join(f"w{i}" for i in range(200)))
+    entry = CorpusEntry("c", "text", path=str(path))
+    s = make_sample(entry, WordTokenizer(), n_seq=3, seq_len=10, offset=2)
+    assert s.input_ids.shape == (3, 10) and np.all(s.attention_mask == 1)
+    assert s.slice_desc == "c[w2:5,len10]"
+    with pytest.raises(CorpusError, match="too short"):
+        make_sample(entry, WordTokenizer(), n_seq=30, seq_len=10)
+
+
+def test_bad_text_files_are_rejected(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(b"\x00\x01\x02abc")
+    with pytest.raises(CorpusError, match="empty"):
+        read_text_file(empty)
+    with pytest.raises(CorpusError, match="binary"):
+        read_text_file(binary)

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import numpy as np
+
+from updatelens.geometry import (
+    decompose,
+    dominant_subspace,
+    energy_m,
+    projection_metrics,
+    spectrum,
+    token_metrics,
+)
+
+
+def test_decomposition_adds_up_and_metrics_are_exact_on_a_hand_example() -> None:
+    x = np.array([[1.0, 0.0, 0.0]])
+    y = np.array([[2.0, 1.0, 0.0]])  # Δ_full = (1, 1, 0)
+    tx = np.array([[2.0, 0.0, 0.0]])  # Δ_tok = (1, 0, 0), r = (0, 1, 0)
+    dec = decompose(x, y, tx)
+    np.testing.assert_allclose(dec.delta_full, dec.delta_tok + dec.residual)
+    m = token_metrics(x, y, tx)
+    np.testing.assert_allclose(m["rel_err"], [1 / np.sqrt(2)])
+    np.testing.assert_allclose(m["cos_full_tok"], [1 / np.sqrt(2)])
+    np.testing.assert_allclose(m["angle_full_res"], [45.0])
+    np.testing.assert_allclose(m["angle_tok_res"], [90.0])
+    np.testing.assert_allclose(m["cos_full_tok_map"], [4 / (np.sqrt(5) * 2)])
+
+
+def test_zero_update_gives_zero_error_not_nan() -> None:
+    x = np.ones((3, 4))
+    m = token_metrics(x, x, x)
+    assert np.all(m["rel_err"] == 0) and np.all(m["cos_full_tok"] == 0)
+
+
+def test_subspace_projection_energies() -> None:
+    rng = np.random.default_rng(0)
+    basis = np.linalg.qr(rng.standard_normal((10, 10)))[0]
+    # Δ_tok lives in the first 2 basis directions; r in the last 8
+    dtok = rng.standard_normal((200, 2)) @ basis[:, :2].T
+    res = rng.standard_normal((200, 8)) @ basis[:, 2:].T
+    x = rng.standard_normal((200, 10))
+    dec = decompose(x, x + dtok + res, x + dtok)
+    sub = dominant_subspace(dec.delta_tok, 0.9)
+    assert sub.m_energy <= 2
+    proj = projection_metrics(dec, sub, (2, 4))
+    np.testing.assert_allclose(proj["proj_tok_m2"], 1.0, atol=1e-9)
+    np.testing.assert_allclose(proj["proj_res_m2"], 0.0, atol=1e-9)
+    assert np.all((proj["proj_full_m4"] >= 0) & (proj["proj_full_m4"] <= 1 + 1e-12))
+
+
+def test_spectrum_energy_and_effective_rank() -> None:
+    v = np.diag([3.0, 4.0, 0.0])
+    sp = spectrum(v, 0.9)
+    np.testing.assert_allclose(sp.singular_values, [4, 3, 0])
+    np.testing.assert_allclose(sp.cum_energy, [16 / 25, 1, 1])
+    assert sp.m_energy == 2
+    assert 1 < sp.effective_rank < 2
+    assert energy_m(np.array([1.0, 0, 0]), 0.9) == 1

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from updatelens.errors import ConfigError
+from updatelens.neighbours import knn
+
+
+def sample(n_seq: int = 30, seq: int = 10, d: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n_seq * seq, d)).astype(np.float32), np.repeat(np.arange(n_seq), seq)
+
+
+def brute_force(x: np.ndarray, groups: np.ndarray, k: int, exclusion: str) -> np.ndarray:
+    v = x - x.mean(axis=0)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    sim = v @ v.T
+    if exclusion in ("sequence", "self"):
+        np.fill_diagonal(sim, -np.inf)
+    if exclusion == "sequence":
+        sim[groups[:, None] == groups[None, :]] = -np.inf
+    return np.argsort(-sim, axis=1, kind="stable")[:, :k]
+
+
+@pytest.mark.parametrize("exclusion", ["sequence", "self", "none"])
+def test_exact_search_matches_brute_force_cosine_on_centred_vectors(exclusion: str) -> None:
+    x, groups = sample()
+    got = knn(x, groups, 12, exclusion=exclusion)
+    want = brute_force(x, groups, 12, exclusion)
+    # same neighbour sets (order can differ only on exact ties, which random data does not have)
+    assert all(set(a) == set(b) for a, b in zip(got, want))
+
+
+def test_sequence_exclusion_never_returns_the_anchors_sequence() -> None:
+    x, groups = sample()
+    nb = knn(x, groups, 20, exclusion="sequence")
+    assert not np.any(groups[nb] == groups[:, None])
+
+
+def test_none_exclusion_lets_the_anchor_be_its_own_nearest_neighbour() -> None:
+    x, groups = sample()
+    nb = knn(x, groups, 5, exclusion="none")
+    assert np.array_equal(nb[:, 0], np.arange(len(x)))
+
+
+def test_l2_metric_uses_raw_distances() -> None:
+    x, groups = sample()
+    nb = knn(x, groups, 3, metric="l2", exclusion="self")
+    dist = ((x[:, None] - x[None]) ** 2).sum(-1)
+    np.fill_diagonal(dist, np.inf)
+    assert np.array_equal(nb[:, 0], dist.argmin(axis=1))
+
+
+@pytest.mark.parametrize("index", ["hnsw", "ivf"])
+def test_approximate_indexes_have_high_recall_and_respect_exclusion(index: str) -> None:
+    x, groups = sample(n_seq=200, seq=10, d=16)
+    exact = knn(x, groups, 10)
+    approx = knn(x, groups, 10, index=index)
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(exact, approx)])
+    assert recall > 0.8
+    assert not np.any(groups[approx] == groups[:, None])
+
+
+def test_k_above_candidates_is_a_clear_error() -> None:
+    x, groups = sample(n_seq=3, seq=10)
+    with pytest.raises(ConfigError, match="candidate neighbours"):
+        knn(x, groups, 25, exclusion="sequence")

@@ -1,0 +1,144 @@
+"""Patched forwards: identity gives KL 0, a real patch KL > 0, and the resume-at-block fast path
+equals a plain full forward with a hook that replaces block l's output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from updatelens.analysis import LayerData, build_variants, functional_tables, provenance
+from updatelens.capture import block_output_is_tuple, capture, first_tensor, kept_mask
+from updatelens.config import AnalysisConfig
+from updatelens.corpus import Sample
+from updatelens.fits import LayerFit
+from updatelens.perturbation import (
+    Variant,
+    kl_rows,
+    original_log_probs,
+    patched_kl,
+    spearman,
+)
+
+SLUGS = ["tiny-gpt2", "tiny-llama", "tiny-mamba"]
+
+
+def setup(lm, n=3, t=10, seed=0):
+    x = np.random.default_rng(seed).integers(5, 500, size=(n, t))
+    cap = capture(lm, x, np.ones_like(x))
+    return x, cap
+
+
+def reference_logp(lm, ids: np.ndarray, layer: int, state: np.ndarray) -> torch.Tensor:
+    """The slow, obvious way: full forward, a hook replaces block l's output (prepend=True)."""
+
+    def hook(module, args, output):
+        patched = torch.as_tensor(state, dtype=first_tensor(output).dtype)
+        return patched if isinstance(output, torch.Tensor) else (patched, *output[1:])
+
+    handle = lm.blocks[layer].register_forward_hook(hook, prepend=True)
+    try:
+        with torch.inference_mode():
+            logits = lm.model(input_ids=torch.as_tensor(ids)).logits
+    finally:
+        handle.remove()
+    return torch.log_softmax(logits.float(), -1)
+
+
+@pytest.mark.parametrize("slug", SLUGS)
+def test_resume_fast_path_equals_hooked_full_forward(tiny_models: dict, slug: str) -> None:
+    lm = tiny_models[slug]
+    ids, cap = setup(lm)
+    orig = original_log_probs(lm, ids, 2)
+    layer = 1
+    rng = np.random.default_rng(0)
+    state = cap.states[layer + 1] + 0.5 * rng.standard_normal(cap.states[layer + 1].shape)
+    fast = patched_kl(lm, ids, layer, [Variant("patch", "x", state)], orig, batch=2,
+                      returns_tuple=block_output_is_tuple(lm))[0]
+    ref = kl_rows(orig, reference_logp(lm, ids, layer, state)).double().numpy()
+    np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-6)
+    assert fast[:, 1:].mean() > 0
+
+
+@pytest.mark.parametrize("slug", SLUGS)
+def test_identity_patch_gives_zero_kl_at_every_layer(tiny_models: dict, slug: str) -> None:
+    lm = tiny_models[slug]
+    ids, cap = setup(lm)
+    orig = original_log_probs(lm, ids, 3)
+    for layer in range(lm.n_layers):
+        kl = patched_kl(lm, ids, layer, [Variant("identity", "x", cap.states[layer + 1])], orig, batch=3)[0]
+        assert np.max(kl) < 1e-6, f"{slug} layer {layer}: identity KL {np.max(kl)}"
+
+
+def test_blocks_are_restored_after_a_failed_patch(tiny_models: dict) -> None:
+    lm = tiny_models["tiny-llama"]
+    ids, cap = setup(lm)
+    orig = original_log_probs(lm, ids, 3)
+    wrong = np.zeros((3, 10, lm.d_model + 1))
+    with pytest.raises(ValueError, match="shape"):
+        patched_kl(lm, ids, 1, [Variant("patch", "x", wrong)], orig, batch=3)
+    assert all("forward" not in b.__dict__ for b in lm.blocks)
+    again = original_log_probs(lm, ids, 3)
+    torch.testing.assert_close(again, orig)
+
+
+def fake_fits(cap, layer, kept, shift: float) -> dict[str, LayerFit]:
+    y = cap.states[layer + 1][kept].astype(np.float64)
+    x = cap.states[layer][kept].astype(np.float64)
+    fits = {}
+    for i, c in enumerate(["diagonal", "lowrank"]):
+        tx = x + (y - x) * (1 - shift * (i + 1))  # lowrank is the worse fit here
+        fits[c] = LayerFit(c, tx, np.ones(len(x)), np.zeros(len(x), bool))
+    return fits
+
+
+def test_functional_tables_cover_kept_tokens_and_controls(tiny_models: dict) -> None:
+    lm = tiny_models["tiny-gpt2"]
+    ids, cap = setup(lm, n=4, t=10)
+    cfg = AnalysisConfig(n_seq=4, seq_len=10, k=5, controls=("random", "crude", "identity"))
+    kept = kept_mask(np.ones_like(ids), True)
+    layer = 1
+    data = LayerData(layer, ids, kept, cap.states[layer], cap.states[layer + 1])
+    fits = fake_fits(cap, layer, kept, 0.3)
+    sample = Sample("c", ids, np.ones_like(ids), np.zeros(4, int), "c[w0:4,len10]")
+    prov = provenance(lm, sample, cfg)
+    orig = original_log_probs(lm, ids, 4)
+    fm, fs = functional_tables(lm, data, fits, orig, cfg, prov)
+    variants = fs["variant"].to_pylist()
+    assert variants == ["patch", "patch", "random", "crude", "identity"]
+    # KL is measured on kept tokens only: every sequence, positions 1..9
+    assert len(fm) == 5 * 4 * 9 and min(fm["pos"].to_pylist()) == 1
+    by = {(r["variant"], r["fn_class"]): r for r in fs.to_pylist()}
+    assert by[("identity", "lowrank")]["kl_max"] < 1e-6
+    assert by[("patch", "lowrank")]["kl_mean"] > 0
+    assert all(r["n_tokens"] == 36 for r in by.values())
+    # the random control moves y exactly as far as the patch does
+    v = {x.name: x for x in build_variants(data, fits, cfg)}
+    dist_patch = np.linalg.norm(fits["lowrank"].tx - data.y, axis=1)
+    dist_random = np.linalg.norm(v["random"].state[kept] - data.y, axis=1)
+    np.testing.assert_allclose(dist_random, dist_patch, rtol=1e-9)
+
+
+def test_single_position_mode_measures_only_the_patched_positions(tiny_models: dict) -> None:
+    lm = tiny_models["tiny-llama"]
+    ids, cap = setup(lm, n=3, t=10)
+    cfg = AnalysisConfig(n_seq=3, seq_len=10, k=5, patch_mode="single", single_positions=2, controls=())
+    kept = kept_mask(np.ones_like(ids), True)
+    data = LayerData(0, ids, kept, cap.states[0], cap.states[1])
+    sample = Sample("c", ids, np.ones_like(ids), np.zeros(3, int), "c[w0:3,len10]")
+    fm, fs = functional_tables(lm, data, fake_fits(cap, 0, kept, 0.3), original_log_probs(lm, ids, 3),
+                               cfg, provenance(lm, sample, cfg))
+    assert len(fm) == 2 * 3 * 2  # classes x sequences x positions
+    assert set(fm["patch_mode"].to_pylist()) == {"single"}
+    assert all(k >= 0 for k in fm["kl"].to_pylist())
+
+
+def test_spearman_pairs_tokens_and_skips_non_finite() -> None:
+    err = np.array([0.1, 0.2, 0.3, 0.4, np.nan, 0.5])
+    kl = np.array([1.0, 2.0, 3.0, 4.0, 100.0, np.inf])
+    res = spearman(err, kl)
+    assert res.n == 4 and res.rho == pytest.approx(1.0)
+    assert spearman(err[::-1].copy(), kl).n == 4
+    anti = spearman(np.array([1.0, 2, 3, 4]), np.array([4.0, 3, 2, 1]))
+    assert anti.rho == pytest.approx(-1.0)
+    assert np.isnan(spearman(np.ones(5), np.arange(5.0)).rho)

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pytest
+
+from storage import catalog
+from storage.layout import STAGING, partition_file, read_partition, write_partition
+
+
+def table(n: int, value: float) -> pa.Table:
+    return pa.table({"model": ["m"] * n, "layer": pa.array([0] * n, pa.int32()), "v": [value] * n})
+
+
+def test_rewrite_replaces_a_partition_whole_and_leaves_no_staging(tmp_path: Path) -> None:
+    write_partition(tmp_path, "geometry", "m", 0, table(5, 1.0))
+    write_partition(tmp_path, "geometry", "m", 0, table(3, 2.0))
+    got = read_partition(tmp_path, "geometry", "m", 0)
+    assert got["v"].to_pylist() == [2.0] * 3
+    assert list((tmp_path / "geometry" / "model=m" / "layer=0").iterdir()) == [partition_file(tmp_path, "geometry", "m", 0)]
+    assert not any((tmp_path / STAGING).iterdir())
+
+
+def test_failed_write_leaves_the_old_partition(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_partition(tmp_path, "geometry", "m", 0, table(2, 1.0))
+
+    def boom(*a: object, **k: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr("storage.layout.pq.write_table", boom)
+    with pytest.raises(OSError, match="disk full"):
+        write_partition(tmp_path, "geometry", "m", 0, table(9, 9.0))
+    assert read_partition(tmp_path, "geometry", "m", 0)["v"].to_pylist() == [1.0, 1.0]
+    assert not any((tmp_path / STAGING).iterdir())
+
+
+def test_missing_partition_names_the_upstream(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="materialize the upstream"):
+        read_partition(tmp_path, "activations", "m", 3)
+
+
+def test_catalog_views_read_hive_partitions(tmp_path: Path) -> None:
+    write_partition(tmp_path, "activations", "a", 0, table(2, 1.0))
+    write_partition(tmp_path, "activations", "b", 1, table(3, 1.0).set_column(0, "model", pa.array(["b"] * 3)))
+    views = catalog.refresh(tmp_path)
+    assert views == ["activations"]
+    with duckdb.connect(str(catalog.catalog_path(tmp_path)), read_only=True) as con:
+        rows = con.sql("SELECT model, count(*) FROM activations GROUP BY model ORDER BY model").fetchall()
+    assert rows == [("a", 2), ("b", 3)]
+    assert catalog.query(tmp_path, "SELECT count(*) AS n FROM activations")["n"][0] == 5
