@@ -38,6 +38,7 @@ _TAG = re.compile(r"<[^>]+>")
 _TABLE = re.compile(r"\{\|.*?\|\}", re.S)
 _FILE_LINK = re.compile(r"\[\[(?:File|Image|Category|[a-z]{2,3}(?:-[a-z]+)?):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]", re.I)
 _LINK = re.compile(r"\[\[(?:[^\]|]*\|)?([^\]]*)\]\]")
+_LEFTOVER = re.compile(r"\[\[|\]\]|\{\{|\}\}")  # unbalanced markup that survived the passes
 _EXT_LINK = re.compile(r"\[(?:https?|ftp)://[^\s\]]+\s*([^\]]*)\]")
 _HEADING = re.compile(r"^=+\s*(.*?)\s*=+\s*$", re.M)
 _QUOTES = re.compile(r"'{2,}")
@@ -68,7 +69,10 @@ def clean_wikitext(text: str) -> str:
     text = _strip_templates(text)
     text = _TABLE.sub("", text)
     text = _FILE_LINK.sub("", text)
-    text = _LINK.sub(r"\1", text)
+    previous = None
+    while previous != text:  # links nest inside captions: resolve inside out
+        previous, text = text, _LINK.sub(r"\1", text)
+    text = _LEFTOVER.sub("", text)
     text = _EXT_LINK.sub(r"\1", text)
     text = _TAG.sub("", text)
     text = _HEADING.sub(r"\1", text)

@@ -14,7 +14,7 @@ BAD = [
     (dict(classes=("mlp",), n_seq=1), "n_seq=1 is below folds=2"),
     (dict(controls=("crude",), classes=("lowrank",)), "crude control needs"),
     (dict(controls=("sideways",)), "unknown control"),
-    (dict(seq_len=128), "exceeds the model's context of 64"),
+    (dict(seq_len=300), "exceeds the model's context of 256"),
     (dict(device="tpu"), "device must be"),
 ]
 
@@ -22,7 +22,7 @@ BAD = [
 @pytest.mark.parametrize("changes,message", BAD)
 def test_bad_settings_name_the_problem(changes: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        AnalysisConfig(**changes).validate(d_model=32, max_positions=64)
+        AnalysisConfig(**changes).validate(d_model=32, max_positions=256)
 
 
 def test_defaults_are_valid_and_config_id_tracks_results_not_batching() -> None:
