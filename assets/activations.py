@@ -41,6 +41,7 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
         stored = {}
         for layer in layers:
             stored[layer] = written.add(lens.root, "activations", model, layer, activations_table(cap, layer, cfg, prov))
+            written.note(model, layer, d_model=lm.d_model, n_tokens=len(stored[layer]))
             valid[f"{model}:{layer:02d}"] = checks.check_activations(stored[layer], cfg, lm.d_model, lens.checks)
         for layer, verdict in checks.check_against_hidden_states(lm, sample.input_ids, stored, lens.checks).items():
             matches[f"{model}:{layer:02d}"] = verdict

@@ -46,19 +46,41 @@ def provenance_from(table: pa.Table, cfg: AnalysisConfig) -> Provenance:
 
 @dataclass
 class Written:
-    """What a stage wrote in this run, for the UI's metadata."""
+    """What a stage wrote in this run, per partition, for the UI's metadata."""
 
-    rows: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)  # table -> rows written in this run
     paths: list[str] = field(default_factory=list)
-    partitions: list[str] = field(default_factory=list)
+    per_partition: dict[str, dict[str, object]] = field(default_factory=dict)  # key -> figures
+
+    @property
+    def partitions(self) -> list[str]:
+        return list(self.per_partition)
 
     def add(self, root: Path, name: str, model: str, layer: int, table: pa.Table) -> pa.Table:
         """Write a partition and return it as read back from disk: checks validate the file."""
         path = write_partition(root, name, model, layer, table)
         self.rows[name] = self.rows.get(name, 0) + len(table)
         self.paths.append(str(path))
-        self.partitions.append(f"{model}:{layer:02d}")
+        figures = self.per_partition.setdefault(f"{model}:{layer:02d}", {})
+        figures[f"rows_{name}"] = len(table)
+        figures.setdefault("parquet_path", str(path))
         return pq.read_table(path)
+
+    def note(self, model: str, layer: int, **figures: object) -> None:
+        self.per_partition.setdefault(f"{model}:{layer:02d}", {}).update(figures)
+
+
+def partition_table_md(per_partition: dict[str, dict[str, object]]) -> str:
+    """A markdown table, one row per partition written in the run."""
+    columns = list(dict.fromkeys(c for figures in per_partition.values() for c in figures))
+
+    def cell(value: object) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else str(value if value is not None else "")
+
+    lines = ["| partition | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += [f"| {key} | " + " | ".join(cell(figures.get(c)) for c in columns) + " |"
+              for key, figures in per_partition.items()]
+    return "\n".join(lines)
 
 
 def partitions_of(context: dg.AssetExecutionContext) -> dict[str, list[int]]:
@@ -69,14 +91,20 @@ def finish(root: Path, cfg: AnalysisConfig, written: Written, extra: dict[str, o
            check_results: list[dg.AssetCheckResult] | None = None) -> dg.MaterializeResult:
     catalog.refresh(root)
     # one partition: its file; several: the table folder they live under
-    where = written.paths[0] if len(written.paths) == 1 else str(Path(written.paths[0]).parents[2])
+    where = written.paths[0] if len(written.per_partition) == 1 else str(Path(written.paths[0]).parents[2])
     metadata: dict[str, object] = {
         "config_id": cfg.config_id,
         "code_version": CODE_VERSION,
-        "partitions_written": len(set(written.partitions)),
+        "partitions_written": len(written.per_partition),
         "parquet_path": dg.MetadataValue.path(where),
+        "dagster/row_count": sum(written.rows.values()),
+        "partitions": dg.MetadataValue.md(partition_table_md(written.per_partition)),
     }
     for name, n in written.rows.items():
         metadata[f"rows_{name}"] = n
+    if len(written.per_partition) == 1:  # a single (model, layer): its figures at top level
+        for key, value in next(iter(written.per_partition.values())).items():
+            if isinstance(value, (int, float)) and not key.startswith("rows_"):
+                metadata[key] = value
     metadata.update(extra or {})
     return dg.MaterializeResult(metadata=metadata, check_results=check_results or [])

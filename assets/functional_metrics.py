@@ -45,6 +45,10 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
             fm, fs = functional_tables(lm, data, fits, orig, cfg, provenance_from(act, cfg), returns_tuple)
             stored_fm = written.add(lens.root, "functional_metrics", model, layer, fm)
             stored_fs = written.add(lens.root, "functional_summary", model, layer, fs)
+            for row in stored_fs.to_pylist():
+                if row["variant"] == "patch":
+                    written.note(model, layer, **{f"kl_mean_{row['fn_class']}": row["kl_mean"],
+                                                  f"spearman_relerr_kl_{row['fn_class']}": row["spearman_relerr_kl"]})
             verdict = checks.check_functional(stored_fm, stored_fs, lens.checks)
             verdict.merge(checks.check_identity_patch(lm, data, orig, cfg.patch_batch, returns_tuple, lens.checks))
             verdicts[f"{model}:{layer:02d}"] = verdict

@@ -27,17 +27,15 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> d
     cfg = lens.config()
     written = Written()
     verdicts: dict[str, checks.Verdict] = {}
-    degenerate = 0
     for model, layers in partitions_of(context).items():
         for layer in layers:
             act = read_upstream(lens.root, "activations", model, layer, cfg)
             data = layer_data(act)
             fits, neighbours = compute_fits(data, cfg)
-            degenerate += int(sum(np.sum(f.degenerate) for f in fits.values()))
             stored = written.add(lens.root, "local_fits", model, layer,
                                  fits_table(data, fits, neighbours, provenance_from(act, cfg)))
+            written.note(model, layer, degenerate_fits=int(sum(np.sum(f.degenerate) for f in fits.values())))
             verdicts[f"{model}:{layer:02d}"] = checks.check_fits(stored, cfg, data.x.shape[1], lens.checks,
                                                                  data.x.astype(np.float64), neighbours)
             context.log.info(f"{model} layer {layer}: fitted {', '.join(cfg.classes)}")
-    return finish(lens.root, cfg, written, {"degenerate_fits": degenerate},
-                  [checks.result("local_fits", "fits_valid", verdicts, lens.checks)])
+    return finish(lens.root, cfg, written, check_results=[checks.result("local_fits", "fits_valid", verdicts, lens.checks)])

@@ -29,7 +29,6 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
     written = Written()
     recon: dict[str, checks.Verdict] = {}
     bounds: dict[str, checks.Verdict] = {}
-    medians: dict[str, float] = {}
     for model, layers in partitions_of(context).items():
         for layer in layers:
             act = read_upstream(lens.root, "activations", model, layer, cfg)
@@ -41,8 +40,8 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
             bounds[key] = checks.check_rel_err_bounds(stored, lens.checks)
             for fn_class in cfg.classes:
                 part = stored.filter(pc.equal(stored["fn_class"], fn_class))
-                medians[f"rel_err_median_{fn_class}"] = float(np.median(part["rel_err"].to_numpy()))
-    return finish(lens.root, cfg, written, medians if len(written.partitions) == 1 else {}, [
+                written.note(model, layer, **{f"rel_err_median_{fn_class}": float(np.median(part["rel_err"].to_numpy()))})
+    return finish(lens.root, cfg, written, check_results=[
         checks.result("residuals", "reconstruction_exact", recon, lens.checks),
         checks.result("residuals", "rel_err_within_bounds", bounds, lens.checks),
     ])

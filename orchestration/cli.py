@@ -87,17 +87,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     instance = dg.DagsterInstance.get()
     try:
         result = materialize_model(args.model, lens, instance, layers=_parse_layers(args.layers),
-                                   log_level="INFO")
+                                   log_level="INFO", raise_on_error=False)
     except (UpdateLensError, ValueError) as exc:
         print(f"updatelens run: {exc}", file=sys.stderr)
         return 2
-    except dg.DagsterExecutionStepExecutionError as exc:
-        print(f"updatelens run: step failed: {exc.user_exception}", file=sys.stderr)
-        return 1
     wall = time.perf_counter() - start
     peak = _peak_rss_gib()
+    print("\nData-quality checks:")
+    for evaluation in result.get_asset_check_evaluations():
+        status = "passed" if evaluation.passed else "FAILED"
+        detail = f" - {evaluation.description}" if evaluation.description else ""
+        print(f"  {evaluation.asset_key.to_user_string()}.{evaluation.check_name}: {status}{detail}")
     if not result.success:
-        print("updatelens run: the run failed (see the log above)", file=sys.stderr)
+        failures = [e for e in result.all_events if e.is_step_failure]
+        reason = failures[0].step_failure_data.error.message.strip() if failures else "see the log above"
+        print(f"updatelens run: the run failed: {reason}", file=sys.stderr)
         return 1
     print(f"\nPer-layer summary ({args.model}, config {cfg.config_id}; SQL view layer_summary):")
     _print_frame(catalog.query(lens.root, SUMMARY_SQL.format(model=args.model, config_id=cfg.config_id)))

@@ -11,11 +11,15 @@ from assets.local_fits import local_fits
 from assets.residuals import residuals
 from orchestration.jobs import JOBS
 from orchestration.resources import UpdateLensResource
+from orchestration.schedules import stale_partitions_schedule
+from orchestration.sensors import model_registry_sensor
 
 ASSETS = [activations, local_fits, residuals, geometry, functional_metrics]
 
 defs = dg.Definitions(
     assets=ASSETS,
     jobs=JOBS,
+    sensors=[model_registry_sensor],
+    schedules=[stale_partitions_schedule],
     resources={"lens": UpdateLensResource()},
 )

@@ -7,12 +7,21 @@ import dagster as dg
 from assets.common import GROUP
 from orchestration.partitions import MODEL_LAYER
 
-# Everything for the selected (model, layer) partitions; launch a model's key range for all layers.
+STAGES = ("activations", "local_fits", "residuals", "geometry", "functional_metrics")
+
+# Everything for the selected (model, layer) partitions: select a model's key range to run it whole.
 analyse_job = dg.define_asset_job(
     "analyse",
     selection=dg.AssetSelection.groups(GROUP),
     partitions_def=MODEL_LAYER,
-    description="All five stages for the selected partitions (select a model's keys to run it whole).",
+    description="All five stages for the selected partitions (a model's key range runs it whole).",
 )
 
-JOBS = [analyse_job]
+# One stage across whatever partitions are selected (e.g. all models' keys after a stage changed).
+stage_jobs = [
+    dg.define_asset_job(f"stage_{stage}", selection=dg.AssetSelection.assets(stage), partitions_def=MODEL_LAYER,
+                        description=f"Only `{stage}`, for the selected partitions (its inputs must exist).")
+    for stage in STAGES
+]
+
+JOBS = [analyse_job, *stage_jobs]

@@ -15,7 +15,18 @@ from orchestration.resources import UpdateLensResource
 from updatelens.models import read_depth
 from updatelens.registry import get_model
 
-DAGSTER_YAML = "telemetry:\n  enabled: false\nnux:\n  enabled: false\n"
+
+
+
+def dagster_yaml(model_pool_limit: int | None = None) -> str:
+    """Instance config: telemetry and the welcome pop-up off; the `model` pool (capture and patched
+    forwards) limited so two runs never hold two models at once ($UPDATELENS_MODEL_POOL_LIMIT)."""
+    limit = model_pool_limit or int(os.environ.get("UPDATELENS_MODEL_POOL_LIMIT", "1"))
+    return (f"telemetry:\n  enabled: false\nnux:\n  enabled: false\n"
+            f"concurrency:\n  pools:\n    default_limit: {limit}\n")
+
+
+DAGSTER_YAML = dagster_yaml(1)
 
 
 def project_dagster_home(base: Path | None = None) -> Path:
@@ -23,7 +34,7 @@ def project_dagster_home(base: Path | None = None) -> Path:
     home = Path(os.environ.get("DAGSTER_HOME") or (base or Path.cwd()) / ".dagster_home")
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "dagster.yaml").exists():
-        (home / "dagster.yaml").write_text(DAGSTER_YAML)
+        (home / "dagster.yaml").write_text(dagster_yaml())
     return home
 
 
@@ -47,7 +58,7 @@ def register_model(instance: dg.DagsterInstance, model: str, n_layers: int) -> l
 def materialize_model(model: str, lens: UpdateLensResource, instance: dg.DagsterInstance,
                       layers: Sequence[int] | None = None, registry: Path | None = None,
                       selection: Sequence[dg.AssetsDefinition] | None = None,
-                      log_level: str = "DEBUG") -> dg.ExecuteInJobResult:
+                      log_level: str = "DEBUG", raise_on_error: bool = True) -> dg.ExecuteInJobResult:
     """One in-process run over the model's (contiguous) key range, all five stages."""
     entry = get_model(model, registry or Path(lens.registry))
     depth = read_depth(entry)
@@ -67,4 +78,5 @@ def materialize_model(model: str, lens: UpdateLensResource, instance: dg.Dagster
         resources={"lens": lens},
         tags=tags,
         run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
+        raise_on_error=raise_on_error,
     )

@@ -1,0 +1,59 @@
+"""What the sensor and the schedule decide, as plain functions (easy to test, no Dagster context).
+
+- `registry_changes`: which models are new (or changed source) since the cursor, which were removed.
+- `stale_keys`: which (model, layer) partitions are missing, or were made by another code version
+  or configuration than the current one, judged from the last stage's stored rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from orchestration.partitions import model_keys
+from storage.layout import partition_file
+from updatelens.registry import ModelEntry, load_models
+
+
+def fingerprint(entry: ModelEntry) -> str:
+    return hashlib.sha1(entry.describe().encode()).hexdigest()[:12]
+
+
+@dataclass
+class RegistryChanges:
+    added: list[ModelEntry]  # new slugs, or a slug whose source changed
+    removed: list[str]
+    cursor: str  # JSON {slug: fingerprint} of the registry as now seen
+
+
+def registry_changes(registry: Path, cursor: str | None) -> RegistryChanges:
+    seen: dict[str, str] = json.loads(cursor) if cursor else {}
+    models = load_models(registry)
+    now = {slug: fingerprint(entry) for slug, entry in models.items()}
+    added = [models[s] for s in sorted(now) if seen.get(s) != now[s]]
+    removed = sorted(set(seen) - set(now))
+    return RegistryChanges(added=added, removed=removed, cursor=json.dumps(now, sort_keys=True))
+
+
+LAST_TABLE = "functional_summary"  # written by the last stage: present only if the whole chain ran
+
+
+def partition_state(root: Path, model: str, layer: int) -> tuple[str, str] | None:
+    """(config_id, code_version) of a stored partition of the last stage, None if absent."""
+    path = partition_file(root, LAST_TABLE, model, layer)
+    if not path.exists():
+        return None
+    table = pq.read_table(path, columns=["config_id", "code_version"])
+    if len(table) == 0:
+        return None
+    return table["config_id"][0].as_py(), table["code_version"][0].as_py()
+
+
+def stale_keys(root: Path, model: str, n_layers: int, config_id: str, code_version: str) -> list[str]:
+    keys = model_keys(model, n_layers)
+    return [key for layer, key in enumerate(keys)
+            if partition_state(root, model, layer) != (config_id, code_version)]

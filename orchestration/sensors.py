@@ -1,0 +1,58 @@
+"""A sensor on the model registry: a new model gets its (model, layer) partitions and its runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+
+from orchestration.jobs import analyse_job
+from orchestration.partitions import MODEL_LAYER, model_keys
+from orchestration.registry_watch import fingerprint, registry_changes, stale_keys
+from orchestration.resources import UpdateLensResource
+from updatelens import CODE_VERSION
+from updatelens.errors import UpdateLensError
+from updatelens.models import read_depth
+
+
+def stale_run_requests(lens: UpdateLensResource, model: str, n_layers: int, run_key: str) -> list[dg.RunRequest]:
+    """Runs for the model's stale partitions: one range run if all are stale (the model is loaded
+    and captured once), else one run per stale key; none if everything is up to date."""
+    keys = model_keys(model, n_layers)
+    stale = stale_keys(lens.root, model, n_layers, lens.config().config_id, CODE_VERSION)
+    if stale == keys:
+        tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
+        return [dg.RunRequest(run_key=f"{model}@{run_key}", tags=tags)]
+    return [dg.RunRequest(run_key=f"{key}@{run_key}", partition_key=key) for key in stale]
+
+
+@dg.sensor(job=analyse_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING,
+           description="Watches the model registry file: a model added (or whose source changed) gets its "
+                       "(model, layer) partitions from its real depth and runs for those not yet up to date. "
+                       "A removed model is not rerun. The cursor records what was handled, so a daemon "
+                       "restart requests nothing twice.")
+def model_registry_sensor(context: dg.SensorEvaluationContext, lens: UpdateLensResource) -> dg.SensorResult:
+    changes = registry_changes(Path(lens.registry), context.cursor)
+    existing = set(context.instance.get_dynamic_partitions(MODEL_LAYER.name))
+    partition_requests, run_requests, skipped = [], [], []
+    for entry in changes.added:
+        try:
+            depth = read_depth(entry)
+        except (UpdateLensError, OSError, ValueError) as exc:
+            skipped.append(f"{entry.slug}: {exc}")
+            continue
+        new = [k for k in model_keys(entry.slug, depth) if k not in existing]
+        if new:
+            partition_requests.append(MODEL_LAYER.build_add_request(new))
+        run_requests.extend(stale_run_requests(lens, entry.slug, depth, fingerprint(entry)))
+    for slug in changes.removed:
+        context.log.info(f"model {slug!r} left the registry: it is not rerun; its results stay queryable")
+    for line in skipped:
+        context.log.warning(f"cannot add model {line}")
+    return dg.SensorResult(
+        run_requests=run_requests,
+        dynamic_partitions_requests=partition_requests,
+        cursor=changes.cursor,
+        skip_reason=None if run_requests else "no new model needs a run" + (f" ({'; '.join(skipped)})" if skipped else ""),
+    )

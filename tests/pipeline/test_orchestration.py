@@ -1,0 +1,116 @@
+"""The registry sensor, the stale-partition schedule, the named jobs and the model pool."""
+
+from __future__ import annotations
+
+import datetime
+import tomllib
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+
+from orchestration.definitions import ASSETS, defs
+from orchestration.partitions import MODEL_LAYER, model_keys
+from orchestration.resources import AnalysisSettings, UpdateLensResource
+from orchestration.runner import dagster_yaml, materialize_model
+from orchestration.schedules import stale_partitions_schedule
+from orchestration.sensors import model_registry_sensor
+from storage.layout import delete_partition
+
+SETTINGS = dict(n_seq=6, seq_len=16, k=8, rank=2)
+
+
+def write_registry(path: Path, zoo: Path, models: list[str]) -> Path:
+    entries = tomllib.loads(zoo.read_text())["models"]
+    lines = [f'[models.{m}]\nsource = "local"\npath = "{entries[m]["path"]}"\n' for m in models]
+    lines.append('[corpora.wiki-embedded]\nsource = "embedded"\n')
+    path.write_text("\n".join(lines))
+    return path
+
+
+def tick(instance: dg.DagsterInstance, lens: UpdateLensResource, cursor: str | None) -> dg.SensorResult:
+    result = model_registry_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources={"lens": lens}))
+    for request in result.dynamic_partitions_requests or []:  # what the daemon does with them
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return result
+
+
+@pytest.fixture
+def lens(zoo: Path, tmp_path: Path) -> UpdateLensResource:
+    registry = write_registry(tmp_path / "registry.toml", zoo, ["tiny-gpt2"])
+    return UpdateLensResource(data_root=str(tmp_path / "data"), registry=str(registry),
+                              analysis=AnalysisSettings(**SETTINGS))
+
+
+def test_sensor_adds_partitions_and_requests_each_new_model_once(zoo: Path, lens: UpdateLensResource) -> None:
+    instance = dg.DagsterInstance.ephemeral()
+    first = tick(instance, lens, None)
+    assert [r.tags[ASSET_PARTITION_RANGE_START_TAG] for r in first.run_requests] == ["tiny-gpt2:00"]
+    assert first.run_requests[0].tags[ASSET_PARTITION_RANGE_END_TAG] == "tiny-gpt2:02"
+    assert instance.get_dynamic_partitions(MODEL_LAYER.name) == model_keys("tiny-gpt2", 3)
+
+    again = tick(instance, lens, first.cursor)  # no change: nothing requested (daemon restart too)
+    assert not again.run_requests and again.cursor == first.cursor
+
+    write_registry(Path(lens.registry), zoo, ["tiny-gpt2", "tiny-mamba"])
+    added = tick(instance, lens, again.cursor)
+    assert [r.tags[ASSET_PARTITION_RANGE_START_TAG] for r in added.run_requests] == ["tiny-mamba:00"]
+
+    write_registry(Path(lens.registry), zoo, ["tiny-mamba"])
+    removed = tick(instance, lens, added.cursor)
+    assert not removed.run_requests
+    assert "tiny-gpt2" not in removed.cursor
+
+
+def test_sensor_adds_but_does_not_rerun_an_up_to_date_model(lens: UpdateLensResource) -> None:
+    instance = dg.DagsterInstance.ephemeral()
+    assert materialize_model("tiny-gpt2", lens, instance).success
+    result = tick(instance, lens, None)
+    assert not result.run_requests
+
+
+def test_schedule_requests_only_stale_partitions(zoo: Path, lens: UpdateLensResource) -> None:
+    with dg.instance_for_test() as instance:
+        check_schedule(zoo, lens, instance)
+
+
+def check_schedule(zoo: Path, lens: UpdateLensResource, instance: dg.DagsterInstance) -> None:
+    assert materialize_model("tiny-gpt2", lens, instance).success
+    write_registry(Path(lens.registry), zoo, ["tiny-gpt2", "tiny-llama"])
+    instance.add_dynamic_partitions(MODEL_LAYER.name, model_keys("tiny-llama", 3))
+
+    def run_schedule(resource: UpdateLensResource) -> list[dg.RunRequest] | dg.SkipReason:
+        ctx = dg.build_schedule_context(instance=instance, resources={"lens": resource},
+                                        scheduled_execution_time=datetime.datetime(2026, 11, 29, 3, 0))
+        out = stale_partitions_schedule(ctx)
+        return out if isinstance(out, dg.SkipReason) else list(out)
+
+    requests = run_schedule(lens)  # tiny-llama never ran: one range run; tiny-gpt2 is fresh
+    assert [r.tags.get(ASSET_PARTITION_RANGE_START_TAG) for r in requests] == ["tiny-llama:00"]
+
+    delete_partition(lens.root, "functional_summary", "tiny-gpt2", 1)
+    requests = run_schedule(lens)
+    assert sorted(r.partition_key or r.tags[ASSET_PARTITION_RANGE_START_TAG] for r in requests) == [
+        "tiny-gpt2:01", "tiny-llama:00"]
+
+    changed = UpdateLensResource(data_root=lens.data_root, registry=lens.registry,
+                                 analysis=AnalysisSettings(**{**SETTINGS, "k": 5}))
+    requests = run_schedule(changed)  # another configuration: everything is stale
+    assert sorted(r.tags[ASSET_PARTITION_RANGE_START_TAG] for r in requests) == ["tiny-gpt2:00", "tiny-llama:00"]
+
+    write_registry(Path(lens.registry), zoo, ["tiny-gpt2"])  # removed from the registry: left alone
+    delete_partition(lens.root, "functional_summary", "tiny-gpt2", 1)
+    assert materialize_model("tiny-gpt2", lens, instance, layers=[1]).success
+    assert isinstance(run_schedule(lens), dg.SkipReason)
+
+
+def test_named_jobs_and_model_pool() -> None:
+    names = {job.name for job in defs.jobs}
+    assert {"analyse", "stage_activations", "stage_local_fits", "stage_residuals", "stage_geometry",
+            "stage_functional_metrics"} <= names
+    pooled = {a.key.to_user_string() for a in ASSETS if a.op.pool == "model"}
+    assert pooled == {"activations", "functional_metrics"}  # the steps that hold a model
+    assert "default_limit: 2" in dagster_yaml(2)
+    with dg.instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
+        assert instance.get_concurrency_config().pool_config.default_pool_limit == 1
