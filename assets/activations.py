@@ -3,12 +3,14 @@
 import dagster as dg
 
 from assets import checks
-from assets.common import GROUP, Written, finish, partitions_of
+from assets.common import GROUP, Written, finish, each_model
 from orchestration.partitions import MODEL_LAYER
 from orchestration.resources import UpdateLensResource
 from updatelens import CODE_VERSION
 from updatelens.analysis import activations_table, provenance
+from storage.layout import clean_abandoned_staging
 from updatelens.capture import capture
+from updatelens.preflight import check_data_root
 
 
 @dg.asset(
@@ -24,11 +26,14 @@ from updatelens.capture import capture
 )
 def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
+    check_data_root(lens.root)
+    for name in clean_abandoned_staging(lens.root):
+        context.log.info(f"removed staging dir {name} left by a crashed run")
     written = Written()
     valid: dict[str, checks.Verdict] = {}
     matches: dict[str, checks.Verdict] = {}
     d_model = 0
-    for model, layers in partitions_of(context).items():
+    for model, layers in each_model(context, lens.root):
         lm = lens.load(model)
         cfg.validate(d_model=lm.d_model, max_positions=lm.max_positions)
         bad = [layer for layer in layers if layer >= lm.n_layers]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pyarrow.parquet as pq
 
 from orchestration.partitions import group_keys
 from storage import catalog
-from storage.layout import read_partition, write_partition
+from storage.layout import model_lock, read_partition, write_partition
 from updatelens import CODE_VERSION
 from updatelens.config import AnalysisConfig
 from updatelens.tables import Provenance
@@ -83,8 +84,12 @@ def partition_table_md(per_partition: dict[str, dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def partitions_of(context: dg.AssetExecutionContext) -> dict[str, list[int]]:
-    return group_keys(context.partition_keys)
+def each_model(context: dg.AssetExecutionContext, root: Path) -> Iterator[tuple[str, list[int]]]:
+    """(model, layers) of this run, each under the model's lock: concurrent runs on the same
+    model are serialised step by step; runs on different models proceed in parallel."""
+    for model, layers in group_keys(context.partition_keys).items():
+        with model_lock(root, model):
+            yield model, layers
 
 
 def finish(root: Path, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None,

@@ -4,7 +4,7 @@ Spearman(error, KL)."""
 import dagster as dg
 
 from assets import checks
-from assets.common import GROUP, Written, finish, partitions_of, provenance_from, read_upstream
+from assets.common import GROUP, Written, finish, each_model, provenance_from, read_upstream
 from assets.geometry import geometry
 from orchestration.partitions import MODEL_LAYER
 from orchestration.resources import UpdateLensResource
@@ -31,7 +31,7 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
     cfg = lens.config()
     written = Written()
     verdicts: dict[str, checks.Verdict] = {}
-    for model, layers in partitions_of(context).items():
+    for model, layers in each_model(context, lens.root):
         lm = lens.load(model)
         returns_tuple = block_output_is_tuple(lm)
         orig = None

@@ -3,7 +3,7 @@
 import dagster as dg
 
 from assets import checks
-from assets.common import GROUP, Written, finish, partitions_of, provenance_from, read_upstream
+from assets.common import GROUP, Written, finish, each_model, provenance_from, read_upstream
 from assets.residuals import residuals
 from orchestration.partitions import MODEL_LAYER
 from orchestration.resources import UpdateLensResource
@@ -27,7 +27,7 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.
     cfg = lens.config()
     written = Written()
     verdicts: dict[str, checks.Verdict] = {}
-    for model, layers in partitions_of(context).items():
+    for model, layers in each_model(context, lens.root):
         for layer in layers:
             act = read_upstream(lens.root, "activations", model, layer, cfg)
             read_upstream(lens.root, "residuals", model, layer, cfg)  # lineage and config check

@@ -5,7 +5,7 @@ import numpy as np
 
 from assets import checks
 from assets.activations import activations
-from assets.common import GROUP, Written, finish, partitions_of, provenance_from, read_upstream
+from assets.common import GROUP, Written, finish, each_model, provenance_from, read_upstream
 from orchestration.partitions import MODEL_LAYER
 from orchestration.resources import UpdateLensResource
 from updatelens import CODE_VERSION
@@ -27,7 +27,7 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> d
     cfg = lens.config()
     written = Written()
     verdicts: dict[str, checks.Verdict] = {}
-    for model, layers in partitions_of(context).items():
+    for model, layers in each_model(context, lens.root):
         for layer in layers:
             act = read_upstream(lens.root, "activations", model, layer, cfg)
             data = layer_data(act)

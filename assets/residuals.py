@@ -5,7 +5,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from assets import checks
-from assets.common import GROUP, Written, finish, partitions_of, provenance_from, read_upstream
+from assets.common import GROUP, Written, finish, each_model, provenance_from, read_upstream
 from assets.local_fits import local_fits
 from orchestration.partitions import MODEL_LAYER
 from orchestration.resources import UpdateLensResource
@@ -29,7 +29,7 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
     written = Written()
     recon: dict[str, checks.Verdict] = {}
     bounds: dict[str, checks.Verdict] = {}
-    for model, layers in partitions_of(context).items():
+    for model, layers in each_model(context, lens.root):
         for layer in layers:
             act = read_upstream(lens.root, "activations", model, layer, cfg)
             data = layer_data(act)

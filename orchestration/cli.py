@@ -63,7 +63,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     import dagster as dg
 
     from orchestration.resources import AnalysisSettings, UpdateLensResource
-    from orchestration.runner import materialize_model, project_dagster_home
+    from orchestration.runner import (
+        check_inputs,
+        contiguous_ranges,
+        materialize_model,
+        project_dagster_home,
+        stale_layers,
+    )
     from storage import catalog
     from updatelens.errors import UpdateLensError
 
@@ -84,25 +90,37 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"updatelens: model {args.model}, corpus {args.corpus}, config {cfg.config_id}, data {lens.data_root}",
           flush=True)
     start = time.perf_counter()
-    instance = dg.DagsterInstance.get()
+    layers = _parse_layers(args.layers)
     try:
-        result = materialize_model(args.model, lens, instance, layers=_parse_layers(args.layers),
-                                   log_level="INFO", raise_on_error=False)
-    except (UpdateLensError, ValueError) as exc:
+        report = check_inputs(args.model, lens, layers)
+    except (UpdateLensError, ValueError, OSError) as exc:
         print(f"updatelens run: {exc}", file=sys.stderr)
         return 2
+    wanted = layers or list(range(report.n_layers))
+    todo = wanted if args.force else stale_layers(lens, args.model, wanted)
+    if not todo:
+        print("every requested partition is up to date (same code version and config); --force recomputes")
+    results = []
+    with dg.DagsterInstance.get() as instance:  # entering makes it the current instance for Dagster
+        for layer_range in contiguous_ranges(todo):
+            print(f"running layers {layer_range[0]}-{layer_range[-1]}", flush=True)
+            results.append(materialize_model(args.model, lens, instance, layers=layer_range, log_level="INFO",
+                                             raise_on_error=False, report=report))
     wall = time.perf_counter() - start
     peak = _peak_rss_gib()
-    print("\nData-quality checks:")
-    for evaluation in result.get_asset_check_evaluations():
-        status = "passed" if evaluation.passed else "FAILED"
-        detail = f" - {evaluation.description}" if evaluation.description else ""
-        print(f"  {evaluation.asset_key.to_user_string()}.{evaluation.check_name}: {status}{detail}")
-    if not result.success:
-        failures = [e for e in result.all_events if e.is_step_failure]
-        reason = failures[0].step_failure_data.error.message.strip() if failures else "see the log above"
-        print(f"updatelens run: the run failed: {reason}", file=sys.stderr)
-        return 1
+    if results:
+        print("\nData-quality checks:")
+    for result in results:
+        for evaluation in result.get_asset_check_evaluations():
+            status = "passed" if evaluation.passed else "FAILED"
+            detail = f" - {evaluation.description}" if evaluation.description else ""
+            print(f"  {evaluation.asset_key.to_user_string()}.{evaluation.check_name}: {status}{detail}")
+    for result in results:
+        if not result.success:
+            failures = [e for e in result.all_events if e.is_step_failure]
+            reason = failures[0].step_failure_data.error.message.strip() if failures else "see the log above"
+            print(f"updatelens run: the run failed: {reason}", file=sys.stderr)
+            return 1
     print(f"\nPer-layer summary ({args.model}, config {cfg.config_id}; SQL view layer_summary):")
     _print_frame(catalog.query(lens.root, SUMMARY_SQL.format(model=args.model, config_id=cfg.config_id)))
     print(f"\npipeline wall time {wall:.1f} s, peak RSS {peak:.2f} GiB; catalog {catalog.catalog_path(lens.root)}")
@@ -164,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--seq-len", dest="seq_len", type=int)
     run.add_argument("--k", type=int)
     run.add_argument("--rank", type=int)
+    run.add_argument("--force", action="store_true",
+                     help="recompute partitions that are already up to date (default: only missing or stale)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE",
                      help="any AnalysisConfig field, e.g. --set exclusion=self --set controls='[\"random\"]'")
     run.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")

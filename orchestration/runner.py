@@ -11,9 +11,12 @@ from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PART
 
 from orchestration.definitions import ASSETS
 from orchestration.partitions import MODEL_LAYER, model_keys, parse_key
+from orchestration.registry_watch import stale_keys
 from orchestration.resources import UpdateLensResource
-from updatelens.models import read_depth
-from updatelens.registry import get_model
+from updatelens import CODE_VERSION
+from updatelens.errors import ConfigError
+from updatelens.preflight import Preflight, preflight
+from updatelens.registry import get_corpus, get_model
 
 
 
@@ -55,23 +58,46 @@ def register_model(instance: dg.DagsterInstance, model: str, n_layers: int) -> l
     return wanted
 
 
+def contiguous_ranges(layers: Sequence[int]) -> list[list[int]]:
+    """[0, 1, 2, 5, 6] -> [[0, 1, 2], [5, 6]]: each range is one single-run backfill."""
+    ranges: list[list[int]] = []
+    for layer in sorted(set(layers)):
+        if ranges and layer == ranges[-1][-1] + 1:
+            ranges[-1].append(layer)
+        else:
+            ranges.append([layer])
+    return ranges
+
+
+def stale_layers(lens: UpdateLensResource, model: str, layers: Sequence[int]) -> list[int]:
+    """The requested layers whose results are missing or from another code version or config."""
+    keys = model_keys(model, max(layers) + 1)
+    stale = set(stale_keys(lens.root, model, len(keys), lens.config().config_id, CODE_VERSION))
+    return [layer for layer in layers if keys[layer] in stale]
+
+
+def check_inputs(model: str, lens: UpdateLensResource, layers: Sequence[int] | None = None) -> Preflight:
+    """Everything that can be checked without loading weights (seconds, not minutes)."""
+    registry = Path(lens.registry)
+    report = preflight(get_model(model, registry), get_corpus(lens.corpus, registry), lens.config(), lens.root)
+    bad = [layer for layer in layers or [] if not 0 <= layer < report.n_layers]
+    if bad:
+        raise ConfigError(f"{model} has {report.n_layers} layers (0..{report.n_layers - 1}); no layer {bad}")
+    return report
+
+
 def materialize_model(model: str, lens: UpdateLensResource, instance: dg.DagsterInstance,
-                      layers: Sequence[int] | None = None, registry: Path | None = None,
+                      layers: Sequence[int] | None = None,
                       selection: Sequence[dg.AssetsDefinition] | None = None,
-                      log_level: str = "DEBUG", raise_on_error: bool = True) -> dg.ExecuteInJobResult:
-    """One in-process run over the model's (contiguous) key range, all five stages."""
-    entry = get_model(model, registry or Path(lens.registry))
-    depth = read_depth(entry)
-    lens.config().validate()  # cheap checks before any model is loaded
-    keys = register_model(instance, model, depth)
-    if layers is not None:
-        bad = [layer for layer in layers if not 0 <= layer < depth]
-        if bad:
-            raise ValueError(f"{model} has {depth} layers (0..{depth - 1}); no layer {bad}")
-        keys = [keys[layer] for layer in sorted(set(layers))]
-        if keys != model_keys(model, depth)[min(layers) : max(layers) + 1]:
-            raise ValueError("layers must be a contiguous range (e.g. 3-7) for a single run")
-    tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
+                      log_level: str = "DEBUG", raise_on_error: bool = True,
+                      report: Preflight | None = None) -> dg.ExecuteInJobResult:
+    """One in-process run over a contiguous range of the model's layers (default: all)."""
+    report = report or check_inputs(model, lens, layers)
+    keys = register_model(instance, model, report.n_layers)
+    chosen = list(range(report.n_layers)) if layers is None else sorted(set(layers))
+    if len(contiguous_ranges(chosen)) != 1:
+        raise ConfigError("layers must be a contiguous range (e.g. 3-7) for a single run")
+    tags = {ASSET_PARTITION_RANGE_START_TAG: keys[chosen[0]], ASSET_PARTITION_RANGE_END_TAG: keys[chosen[-1]]}
     return dg.materialize(
         list(selection or ASSETS),
         instance=instance,

@@ -9,9 +9,13 @@ run redoes it), never half-written.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import signal
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,7 +31,12 @@ TABLES_BY_ASSET: dict[str, tuple[str, ...]] = {
 }
 TABLES: tuple[str, ...] = tuple(t for ts in TABLES_BY_ASSET.values() for t in ts)
 STAGING = "_staging"
+LOCKS = "_locks"
 PART_FILE = "part-0.parquet"
+ROW_GROUP_ROWS = 8192
+# Fault injection for the crash tests: SIGKILL this process in the middle of writing a partition of
+# this table (after its first row group reached the staging file, before the rename).
+KILL_MID_WRITE_ENV = "UPDATELENS_FAULT_KILL_MID_WRITE"
 
 
 def partition_dir(root: Path, table: str, model: str, layer: int) -> Path:
@@ -46,21 +55,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _staging_dir(root: Path) -> Path:
+    # the pid lets a later run tell an abandoned staging dir (its writer is dead) from a live one
+    return Path(root) / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def _write_parquet(table: pa.Table, path: Path, table_name: str) -> None:
+    kill = os.environ.get(KILL_MID_WRITE_ENV) == table_name
+    with pq.ParquetWriter(path, table.schema, compression="zstd") as writer:
+        for i, batch in enumerate(table.to_batches(max_chunksize=ROW_GROUP_ROWS if not kill else max(1, len(table) // 2))):
+            writer.write_batch(batch)
+            if kill and i == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
 def write_partition(root: Path, table_name: str, model: str, layer: int, table: pa.Table) -> Path:
     """Replace one partition whole; returns the final file path."""
     root = Path(root)
-    staging = root / STAGING / uuid.uuid4().hex
+    staging = _staging_dir(root)
     staging.mkdir(parents=True)
-    tmp_file = staging / PART_FILE
     try:
-        pq.write_table(table, tmp_file, compression="zstd")
-        with open(tmp_file, "rb+") as f:
-            os.fsync(f.fileno())
+        _write_parquet(table, staging / PART_FILE, table_name)
         final = partition_dir(root, table_name, model, layer)
         final.parent.mkdir(parents=True, exist_ok=True)
         old = None
         if final.exists():
-            old = root / STAGING / f"{uuid.uuid4().hex}.old"
+            old = root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
             os.rename(final, old)
         os.rename(staging, final)
         _fsync_dir(final.parent)
@@ -70,6 +92,40 @@ def write_partition(root: Path, table_name: str, model: str, layer: int, table: 
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def clean_abandoned_staging(root: Path) -> list[str]:
+    """Remove staging dirs whose writer process is gone (a crash mid-write); returns their names."""
+    removed = []
+    for entry in (Path(root) / STAGING).glob("*"):
+        pid = entry.name.split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def model_lock(root: Path, model: str) -> Iterator[None]:
+    """Serialise the steps of concurrent runs on the same model (different models run in parallel)."""
+    path = Path(root) / LOCKS / f"{model}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def read_partition(root: Path, table_name: str, model: str, layer: int) -> pa.Table:
@@ -83,7 +139,7 @@ def read_partition(root: Path, table_name: str, model: str, layer: int) -> pa.Ta
 def delete_partition(root: Path, table_name: str, model: str, layer: int) -> None:
     path = partition_dir(root, table_name, model, layer)
     if path.exists():
-        trash = Path(root) / STAGING / f"{uuid.uuid4().hex}.old"
+        trash = Path(root) / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
         trash.parent.mkdir(parents=True, exist_ok=True)
         os.rename(path, trash)
         shutil.rmtree(trash, ignore_errors=True)

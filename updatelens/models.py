@@ -235,7 +235,8 @@ def load_model(entry: ModelEntry, device: str = "cpu", dtype: torch.dtype = torc
 
     source, revision = resolve_source(entry)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, revision=entry.revision or None, dtype=dtype)
+        model, info = AutoModelForCausalLM.from_pretrained(source, revision=entry.revision or None, dtype=dtype,
+                                                           output_loading_info=True)
     except ValueError as exc:
         raise ModelError(f"model {entry.slug!r} cannot be loaded as a causal LM: {exc}") from exc
     except OSError as exc:
@@ -247,6 +248,11 @@ def load_model(entry: ModelEntry, device: str = "cpu", dtype: torch.dtype = torc
                              f"{exc}") from exc
         raise
     validate_model(model, entry.slug)
+    missing = sorted(info.get("missing_keys", []))
+    if missing:  # newly initialised weights: the figures would describe a random model
+        raise ModelError(f"model {entry.slug!r}: the checkpoint lacks {len(missing)} weights of a causal LM "
+                         f"(e.g. {', '.join(missing[:3])}); it has no trained causal LM head or is not "
+                         f"a causal LM checkpoint")
     model.eval()
     model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(source, revision=entry.revision or None)

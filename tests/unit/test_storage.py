@@ -29,7 +29,7 @@ def test_failed_write_leaves_the_old_partition(tmp_path: Path, monkeypatch: pyte
     def boom(*a: object, **k: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr("storage.layout.pq.write_table", boom)
+    monkeypatch.setattr("storage.layout._write_parquet", boom)
     with pytest.raises(OSError, match="disk full"):
         write_partition(tmp_path, "geometry", "m", 0, table(9, 9.0))
     assert read_partition(tmp_path, "geometry", "m", 0)["v"].to_pylist() == [1.0, 1.0]

@@ -1,0 +1,229 @@
+"""Fault injection: bad inputs fail fast and write nothing; a SIGKILL mid-write leaves nothing
+partial visible; concurrent runs do not interfere; reruns give identical results."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import dagster as dg
+import pyarrow.parquet as pq
+import pytest
+from transformers import BertConfig, BertModel, DistilBertConfig, DistilBertModel
+
+from orchestration.cli import main
+from orchestration.resources import AnalysisSettings, UpdateLensResource
+from orchestration.runner import materialize_model
+from storage import catalog
+from storage.layout import KILL_MID_WRITE_ENV, STAGING, TABLES
+from updatelens.errors import ModelError
+from updatelens.models import locate_blocks
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--n-seq", "6", "--seq-len", "16", "--k", "8", "--rank", "2"]
+
+
+def registry_with(zoo: Path, path: Path, extra: str = "") -> Path:
+    path.write_text(zoo.read_text() + "\n" + extra)
+    return path
+
+
+def parquet_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*.parquet") if STAGING not in p.parts]
+
+
+def local_model(zoo: Path, slug: str) -> Path:
+    return Path(tomllib.loads(zoo.read_text())["models"][slug]["path"])
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("UPDATELENS_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def bad_inputs(zoo: Path, tmp: Path) -> list[tuple[str, list[str], str]]:
+    """(name, CLI args, expected message) for every bad input the issue lists."""
+    truncated = tmp / "truncated"
+    shutil.copytree(local_model(zoo, "tiny-llama"), truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    bert = tmp / "bert"  # a causal-LM-capable type, but the checkpoint has only the encoder
+    BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=32)).save_pretrained(bert)
+    distilbert = tmp / "distilbert"  # a type with no causal LM at all
+    DistilBertModel(DistilBertConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, hidden_dim=32)).save_pretrained(distilbert)
+    fake_pkg = tmp / "pkgs" / "fake_gguf_pkg"
+    fake_pkg.mkdir(parents=True)
+    (fake_pkg / "__init__.py").write_text("")
+    (fake_pkg / "broken.gguf").write_bytes(b"GGUF" + os.urandom(64))
+    (tmp / "empty.txt").write_text("")
+    (tmp / "binary.txt").write_bytes(b"\x00\x01binary\x00" * 100)
+    (tmp / "short.txt").write_text("only a few words here")
+    (tmp / "a-file").write_text("not a folder")
+    registry = registry_with(zoo, tmp / "registry.toml", f"""
+[models.missing]
+source = "local"
+path = "{tmp / 'does-not-exist'}"
+[models.offline-hub]
+source = "hub"
+id = "nobody/never-downloaded-model"
+[models.truncated]
+source = "local"
+path = "{truncated}"
+[models.bert]
+source = "local"
+path = "{bert}"
+[models.distilbert]
+source = "local"
+path = "{distilbert}"
+[models.broken-gguf]
+source = "embedded"
+package = "fake_gguf_pkg"
+file = "broken.gguf"
+[corpora.empty]
+source = "text"
+path = "{tmp / 'empty.txt'}"
+[corpora.binary]
+source = "text"
+path = "{tmp / 'binary.txt'}"
+[corpora.short]
+source = "text"
+path = "{tmp / 'short.txt'}"
+""")
+    base = ["run", "--registry", str(registry), "--data-root", str(tmp / "data")]
+    llama = [*base, "--model", "tiny-llama", *SMALL]
+    return [
+        ("unknown model", [*base, "--model", "nope"], "unknown model 'nope'"),
+        ("missing local path", [*base, "--model", "missing"], "does not exist or is not a folder"),
+        ("hub id offline", [*base, "--model", "offline-hub"], "HF_HUB_OFFLINE=1 and it is not in the local cache"),
+        ("truncated weights", [*base, "--model", "truncated", *SMALL], "is truncated"),
+        ("corrupt gguf", [*base, "--model", "broken-gguf"], "corrupt or truncated GGUF"),
+        ("no causal LM class", [*base, "--model", "distilbert"], "has no causal language-model head"),
+        ("empty corpus", [*llama, "--corpus", "empty"], "is empty"),
+        ("binary corpus", [*llama, "--corpus", "binary"], "looks binary"),
+        ("too-short corpus", [*llama, "--corpus", "short"], "is too short"),
+        ("seq_len above context", [*base, "--model", "tiny-llama", "--seq-len", "100"], "exceeds the model's context of 64"),
+        ("k too large", [*base, "--model", "tiny-llama", "--n-seq", "2", "--seq-len", "8", "--k", "64"], "candidate neighbours"),
+        ("rank >= d", [*base, "--model", "tiny-llama", *SMALL[:6], "--rank", "32"], "rank=32 must be below d_model=32"),
+        ("unknown class", [*llama, "--classes", "diagonal,spline"], "unknown function class 'spline'"),
+        ("unknown metric", [*llama, "--set", "metric=manhattan"], "unknown metric 'manhattan'"),
+        ("data root not writable", [*llama, "--data-root", str(tmp / "a-file" / "data")], "is not writable"),
+    ]
+
+
+def test_each_bad_input_fails_fast_with_its_message_and_writes_nothing(
+        zoo: Path, env: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    cases = bad_inputs(zoo, env)
+    monkeypatch.syspath_prepend(str(env / "pkgs"))  # where the package with the broken GGUF lives
+    for name, args, message in cases:
+        start = time.perf_counter()
+        code = main(args)
+        err = capsys.readouterr().err
+        assert code == 2, f"{name}: exit {code}, stderr {err}"
+        assert message in err, f"{name}: {err}"
+        assert time.perf_counter() - start < 30, f"{name}: took too long to fail"
+    assert not parquet_files(env / "data")
+
+
+def test_a_checkpoint_without_a_trained_lm_head_is_refused_before_capture(
+        zoo: Path, env: Path, capsys: pytest.CaptureFixture) -> None:
+    """The config allows a causal LM (BERT as a decoder) but the weights lack its head: the model
+    load reports the missing weights and the run stops before anything is written."""
+    args = next(a for n, a, _ in bad_inputs(zoo, env) if n == "unknown model")
+    code = main([*args[:-1], "bert", *SMALL])
+    assert code == 1
+    assert "it has no trained causal LM head" in capsys.readouterr().err
+    assert not parquet_files(env / "data")
+
+
+def test_out_of_disk_space_is_reported_before_any_work(zoo: Path, env: Path, capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    class Usage:
+        total, used, free = 10**9, 10**9 - 1000, 1000
+
+    monkeypatch.setattr("updatelens.preflight.shutil.disk_usage", lambda path: Usage())
+    code = main(["run", "--registry", str(zoo), "--data-root", str(env / "data"), "--model", "tiny-gpt2", *SMALL])
+    assert code == 2 and "GiB free, the run needs about" in capsys.readouterr().err
+    assert not parquet_files(env / "data")
+
+
+def test_blocks_that_cannot_be_located_are_a_clear_error() -> None:
+    import torch
+
+    class NoBlocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    with pytest.raises(ModelError, match="cannot locate the blocks"):
+        locate_blocks(NoBlocks())
+
+
+def cli(args: list[str], home: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = dict(os.environ, DAGSTER_HOME=str(home), HF_HUB_OFFLINE="1", **(extra_env or {}))
+    return subprocess.Popen([sys.executable, "-m", "orchestration.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigkill_mid_write_leaves_nothing_partial_and_the_rerun_completes(zoo: Path, tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    args = ["run", "--registry", str(zoo), "--data-root", str(root), "--model", "tiny-gpt2", *SMALL]
+    killed = cli(args, tmp_path / "home", {KILL_MID_WRITE_ENV: "geometry"})
+    killed.communicate(timeout=300)
+    assert killed.returncode == -9
+    assert list((root / STAGING).glob("*/part-0.parquet")), "the kill should land with a staging file half-written"
+    assert not (root / "geometry").exists()  # the partial file is not where readers look
+    for path in parquet_files(root):  # everything visible is whole
+        pq.read_table(path)
+    assert catalog.query(root, "SELECT count(*) AS n FROM residuals")["n"][0] == 3 * 2 * 6 * 15
+    rerun = cli(args, tmp_path / "home")
+    out, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, out
+    assert not list((root / STAGING).iterdir())  # the crashed run's staging dir was cleaned up
+    assert catalog.query(root, "SELECT count(*) AS n FROM geometry")["n"][0] == 3 * 2 * 6 * 15
+    again = cli(args, tmp_path / "home")
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0 and "every requested partition is up to date" in out
+
+
+def test_concurrent_runs_on_two_models_and_on_one_model_while_sql_reads(zoo: Path, tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    base = ["run", "--registry", str(zoo), "--data-root", str(root), *SMALL, "--force"]
+    procs = [cli([*base, "--model", "tiny-gpt2"], tmp_path / "h1"),
+             cli([*base, "--model", "tiny-mamba"], tmp_path / "h2"),
+             cli([*base, "--model", "tiny-mamba"], tmp_path / "h3")]  # same partitions as the one before
+    reads = 0
+    while any(p.poll() is None for p in procs):
+        try:
+            catalog.query(root, "SELECT count(*) FROM activations")
+            reads += 1
+        except Exception as exc:  # noqa: BLE001 - only "no such view yet" is acceptable
+            assert "does not exist" in str(exc), exc
+        time.sleep(0.2)
+    for p in procs:
+        out, _ = p.communicate()
+        assert p.returncode == 0, out
+    assert reads > 0
+    counts = catalog.query(root, "SELECT model, count(*) AS n FROM geometry GROUP BY model ORDER BY model")
+    assert counts.rows() == [("tiny-gpt2", 3 * 2 * 6 * 15), ("tiny-mamba", 3 * 2 * 6 * 15)]
+
+
+def test_rerun_with_the_same_config_gives_identical_tables(zoo: Path, tmp_path: Path) -> None:
+    tables = []
+    for name in ("a", "b"):
+        lens = UpdateLensResource(data_root=str(tmp_path / name), registry=str(zoo),
+                                  analysis=AnalysisSettings(n_seq=6, seq_len=16, k=8, rank=2))
+        with dg.DagsterInstance.ephemeral() as instance:
+            assert materialize_model("tiny-llama", lens, instance).success
+        tables.append({t: pq.read_table(p).sort_by([("layer", "ascending")])
+                       for t in TABLES for p in (tmp_path / name / t / "model=tiny-llama").glob("layer=1/*.parquet")})
+    assert set(tables[0]) == set(TABLES)
+    for t in TABLES:
+        assert tables[0][t].equals(tables[1][t]), t

@@ -1,0 +1,111 @@
+"""Checks that run before any heavy work: each failure names the problem and the fix.
+
+`preflight` needs only the model's config, its weight files' headers, its tokenizer and the corpus:
+no weights are loaded, so a bad input fails in seconds instead of after a model load.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from updatelens.config import AnalysisConfig
+from updatelens.corpus import Sample, make_sample
+from updatelens.errors import ConfigError, ModelError, UpdateLensError
+from updatelens.models import resolve_source
+from updatelens.registry import CorpusEntry, ModelEntry
+
+BYTES_PER_VALUE = 4  # float32 vectors in Parquet
+
+
+@dataclass(frozen=True)
+class Preflight:
+    n_layers: int
+    d_model: int
+    max_positions: int | None
+    sample: Sample
+    bytes_needed: int
+
+
+def check_safetensors(folder: Path) -> None:
+    """A truncated or corrupt .safetensors file: its header must parse and cover the file."""
+    for path in sorted(folder.glob("*.safetensors")):
+        size = path.stat().st_size
+        try:
+            with path.open("rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                if header_len <= 0 or 8 + header_len > size:
+                    raise ValueError(f"header length {header_len} exceeds the file size {size}")
+                header = json.loads(f.read(header_len))
+        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+            raise ModelError(f"weight file {path} is corrupt: {exc}; re-download or re-save the model") from exc
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + header_len + end > size:
+            raise ModelError(f"weight file {path} is truncated: {size} bytes, its header needs "
+                             f"{8 + header_len + end}; re-download or re-save the model")
+
+
+def read_model_config(entry: ModelEntry) -> tuple[str, object]:
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    source, _ = resolve_source(entry)
+    try:
+        config = AutoConfig.from_pretrained(source, revision=entry.revision or None)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"model {entry.slug!r}: cannot read its config at {source}: {exc}") from exc
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelError(f"model {entry.slug!r} ({config.model_type}) has no causal language-model head in "
+                         f"transformers; UpdateLens needs a causal LM (next-token distribution)")
+    if Path(source).is_dir():
+        check_safetensors(Path(source))
+    return source, config
+
+
+def estimate_bytes(cfg: AnalysisConfig, n_layers: int, d_model: int) -> int:
+    """activations (x, y) + local_fits (T(x)) + residuals (r) per class, float32, per layer."""
+    tokens = cfg.n_seq * cfg.seq_len
+    vectors_per_token = 2 + 2 * len(cfg.classes)
+    return tokens * n_layers * d_model * BYTES_PER_VALUE * vectors_per_token
+
+
+def check_data_root(root: Path, bytes_needed: int = 0) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise UpdateLensError(f"data root {root} is not writable ({exc.strerror}); choose another with "
+                              f"--data-root or UPDATELENS_DATA") from exc
+    free = shutil.disk_usage(root).free
+    if bytes_needed and free < 1.2 * bytes_needed:
+        raise UpdateLensError(f"data root {root} has {free / 2**30:.2f} GiB free, the run needs about "
+                              f"{bytes_needed / 2**30:.2f} GiB (+20 %); free space or choose another data root")
+
+
+def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_root: Path,
+              layers: int | None = None) -> Preflight:
+    from transformers import AutoTokenizer
+
+    source, config = read_model_config(entry)
+    n_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    d_model = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
+    if not n_layers or not d_model:
+        raise ModelError(f"model {entry.slug!r}: its config states no depth or width")
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    cfg.validate(d_model=d_model, max_positions=int(max_pos) if max_pos else None)
+    if layers is not None and layers > n_layers:
+        raise ConfigError(f"{layers} layers requested, the model has {n_layers}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=entry.revision or None)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"model {entry.slug!r}: no usable tokenizer at {source}: {exc}") from exc
+    sample = make_sample(corpus, tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset)
+    needed = estimate_bytes(cfg, layers or n_layers, d_model)
+    check_data_root(Path(data_root), needed)
+    return Preflight(n_layers=n_layers, d_model=d_model, max_positions=int(max_pos) if max_pos else None,
+                     sample=sample, bytes_needed=needed)
