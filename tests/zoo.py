@@ -1,4 +1,4 @@
-"""Tiny random models (GPT-2, Llama, Mamba) built from configs, saved to folders, plus a registry.
+"""Tiny random models (GPT-2, Llama, GPT-NeoX/Pythia, Mamba) built from configs, saved to folders, plus a registry.
 
 A small byte-level BPE tokenizer is trained on the embedded corpus so the models' folders are
 complete transformers checkpoints that load offline like any user's local model.
@@ -12,6 +12,8 @@ import torch
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MambaConfig,
@@ -48,12 +50,15 @@ def configs() -> dict[str, object]:
         "tiny-llama": LlamaConfig(vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=64,
                                   num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=CONTEXT),
+        "tiny-neox": GPTNeoXConfig(vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=64,
+                                   num_hidden_layers=N_LAYERS, num_attention_heads=4, max_position_embeddings=CONTEXT),
         "tiny-mamba": MambaConfig(vocab_size=VOCAB, hidden_size=D_MODEL, state_size=8,
                                   num_hidden_layers=N_LAYERS, expand=2, conv_kernel=4),
     }
 
 
-MODEL_CLASSES = {"tiny-gpt2": GPT2LMHeadModel, "tiny-llama": LlamaForCausalLM, "tiny-mamba": MambaForCausalLM}
+MODEL_CLASSES = {"tiny-gpt2": GPT2LMHeadModel, "tiny-llama": LlamaForCausalLM, "tiny-neox": GPTNeoXForCausalLM,
+                 "tiny-mamba": MambaForCausalLM}
 
 
 def build_zoo(root: Path) -> Path:

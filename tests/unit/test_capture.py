@@ -9,7 +9,7 @@ import torch
 from updatelens.capture import capture, kept_mask
 from updatelens.models import ADAPTERS, largest_module_list, locate_blocks
 
-SLUGS = ["tiny-gpt2", "tiny-llama", "tiny-mamba"]
+SLUGS = ["tiny-gpt2", "tiny-llama", "tiny-neox", "tiny-mamba"]
 
 
 def ids(n: int = 4, t: int = 12, seed: int = 0) -> np.ndarray:

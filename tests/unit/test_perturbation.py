@@ -20,7 +20,7 @@ from updatelens.perturbation import (
     spearman,
 )
 
-SLUGS = ["tiny-gpt2", "tiny-llama", "tiny-mamba"]
+SLUGS = ["tiny-gpt2", "tiny-llama", "tiny-neox", "tiny-mamba"]
 
 
 def setup(lm, n=3, t=10, seed=0):
