@@ -3,26 +3,19 @@
 import dagster as dg
 
 from assets import checks
-from assets.common import GROUP, Written, finish, each_model
-from orchestration.partitions import MODEL_LAYER
+from assets.common import Written, each_model, finish, stage_asset
 from orchestration.resources import UpdateLensResource
-from updatelens import CODE_VERSION
 from updatelens.analysis import activations_table, provenance
 from storage.layout import clean_abandoned_staging
 from updatelens.capture import capture
 from updatelens.preflight import check_data_root
 
 
-@dg.asset(
-    partitions_def=MODEL_LAYER,
-    backfill_policy=dg.BackfillPolicy.single_run(),
-    group_name=GROUP,
-    code_version=CODE_VERSION,
+@stage_asset(
+    "Raw block inputs/outputs (x = h_l, y = h_{l+1}) of every token of the corpus sample, "
+    "captured with forward hooks; one row per (sequence, position).",
     kinds={"pytorch", "parquet"},
     pool="model",
-    check_specs=checks.specs("activations"),
-    description="Raw block inputs/outputs (x = h_l, y = h_{l+1}) of every token of the corpus sample, "
-                "captured with forward hooks; one row per (sequence, position).",
 )
 def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()

@@ -10,7 +10,8 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from orchestration.partitions import group_keys
+from assets import checks
+from orchestration.partitions import MODEL_LAYER, group_keys
 from storage import catalog
 from storage.layout import model_lock, read_partition, write_partition
 from updatelens import CODE_VERSION
@@ -69,6 +70,27 @@ class Written:
 
     def note(self, model: str, layer: int, **figures: object) -> None:
         self.per_partition.setdefault(f"{model}:{layer:02d}", {}).update(figures)
+
+
+def stage_asset(description: str, kinds: set[str], deps: tuple[object, ...] = (), pool: str | None = None):
+    """The settings every stage shares: (model, layer) partitions, single-run backfills (a model's
+    key range runs in one process), the engine's code version, and the stage's checks."""
+
+    def wrap(fn):  # noqa: ANN001, ANN202 - a decorator
+        return dg.asset(
+            name=fn.__name__,
+            partitions_def=MODEL_LAYER,
+            backfill_policy=dg.BackfillPolicy.single_run(),
+            group_name=GROUP,
+            code_version=CODE_VERSION,
+            kinds=kinds,
+            deps=list(deps),
+            pool=pool,
+            check_specs=checks.specs(fn.__name__),
+            description=description,
+        )(fn)
+
+    return wrap
 
 
 def partition_table_md(per_partition: dict[str, dict[str, object]]) -> str:

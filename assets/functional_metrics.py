@@ -4,28 +4,21 @@ Spearman(error, KL)."""
 import dagster as dg
 
 from assets import checks
-from assets.common import GROUP, Written, finish, each_model, provenance_from, read_upstream
+from assets.common import Written, each_model, finish, provenance_from, read_upstream, stage_asset
 from assets.geometry import geometry
-from orchestration.partitions import MODEL_LAYER
 from orchestration.resources import UpdateLensResource
-from updatelens import CODE_VERSION
 from updatelens.analysis import fits_from_table, functional_tables, layer_data
 from updatelens.capture import block_output_is_tuple
 from updatelens.perturbation import original_log_probs
 
 
-@dg.asset(
-    partitions_def=MODEL_LAYER,
-    backfill_policy=dg.BackfillPolicy.single_run(),
-    group_name=GROUP,
-    code_version=CODE_VERSION,
+@stage_asset(
+    "Per token KL of the next-token distribution when block l's output is replaced by "
+    "T(h_l) (residual removed), plus random-direction and cruder-class controls; per layer "
+    "Spearman(error, KL) in table `functional_summary`.",
     kinds={"pytorch", "parquet"},
-    deps=[geometry],
+    deps=(geometry,),
     pool="model",
-    check_specs=checks.specs("functional_metrics"),
-    description="Per token KL of the next-token distribution when block l's output is replaced by "
-                "T(h_l) (residual removed), plus random-direction and cruder-class controls; per layer "
-                "Spearman(error, KL) in table `functional_summary`.",
 )
 def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()

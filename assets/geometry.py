@@ -3,25 +3,18 @@
 import dagster as dg
 
 from assets import checks
-from assets.common import GROUP, Written, finish, each_model, provenance_from, read_upstream
+from assets.common import Written, each_model, finish, provenance_from, read_upstream, stage_asset
 from assets.residuals import residuals
-from orchestration.partitions import MODEL_LAYER
 from orchestration.resources import UpdateLensResource
-from updatelens import CODE_VERSION
 from updatelens.analysis import fits_from_table, geometry_tables, layer_data
 
 
-@dg.asset(
-    partitions_def=MODEL_LAYER,
-    backfill_policy=dg.BackfillPolicy.single_run(),
-    group_name=GROUP,
-    code_version=CODE_VERSION,
+@stage_asset(
+    "Per token: cosines and angles between Δ_full, Δ_tok and r (update and map forms), "
+    "projection energies on the top-m tokenwise subspace; per layer: singular spectra "
+    "(table `spectra`).",
     kinds={"parquet"},
-    deps=[residuals],
-    check_specs=checks.specs("geometry"),
-    description="Per token: cosines and angles between Δ_full, Δ_tok and r (update and map forms), "
-                "projection energies on the top-m tokenwise subspace; per layer: singular spectra "
-                "(table `spectra`).",
+    deps=(residuals,),
 )
 def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()

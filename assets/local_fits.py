@@ -5,23 +5,16 @@ import numpy as np
 
 from assets import checks
 from assets.activations import activations
-from assets.common import GROUP, Written, finish, each_model, provenance_from, read_upstream
-from orchestration.partitions import MODEL_LAYER
+from assets.common import Written, each_model, finish, provenance_from, read_upstream, stage_asset
 from orchestration.resources import UpdateLensResource
-from updatelens import CODE_VERSION
 from updatelens.analysis import compute_fits, fits_table, layer_data
 
 
-@dg.asset(
-    partitions_def=MODEL_LAYER,
-    backfill_policy=dg.BackfillPolicy.single_run(),
-    group_name=GROUP,
-    code_version=CODE_VERSION,
+@stage_asset(
+    "T(x) at every kept token for each function class, fitted on the token's k nearest "
+    "neighbours (other sequences) and evaluated out of sample; fit condition numbers.",
     kinds={"faiss", "parquet"},
-    deps=[activations],
-    check_specs=checks.specs("local_fits"),
-    description="T(x) at every kept token for each function class, fitted on the token's k nearest "
-                "neighbours (other sequences) and evaluated out of sample; fit condition numbers.",
+    deps=(activations,),
 )
 def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()

@@ -5,24 +5,17 @@ import numpy as np
 import pyarrow.compute as pc
 
 from assets import checks
-from assets.common import GROUP, Written, finish, each_model, provenance_from, read_upstream
+from assets.common import Written, each_model, finish, provenance_from, read_upstream, stage_asset
 from assets.local_fits import local_fits
-from orchestration.partitions import MODEL_LAYER
 from orchestration.resources import UpdateLensResource
-from updatelens import CODE_VERSION
 from updatelens.analysis import fits_from_table, layer_data, residuals_table
 
 
-@dg.asset(
-    partitions_def=MODEL_LAYER,
-    backfill_policy=dg.BackfillPolicy.single_run(),
-    group_name=GROUP,
-    code_version=CODE_VERSION,
+@stage_asset(
+    "Residual r = y - T(x) per token and class, with ||Δ_full||, ||Δ_tok||, ||r|| and the "
+    "relative error ||r|| / ||Δ_full||.",
     kinds={"parquet"},
-    deps=[local_fits],
-    check_specs=checks.specs("residuals"),
-    description="Residual r = y - T(x) per token and class, with ||Δ_full||, ||Δ_tok||, ||r|| and the "
-                "relative error ||r|| / ||Δ_full||.",
+    deps=(local_fits,),
 )
 def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
