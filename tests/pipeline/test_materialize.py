@@ -113,3 +113,16 @@ def test_a_model_key_range_runs_as_one_run(run) -> None:
     range_runs = [r for r in records if ASSET_PARTITION_RANGE_START_TAG in r.dagster_run.tags]
     assert {r.dagster_run.tags[ASSET_PARTITION_RANGE_END_TAG] for r in range_runs} >= {
         layer_key(m, N_LAYERS - 1) for m in MODELS}
+
+
+def test_updatelens_sql_prints_a_table(run, capsys: pytest.CaptureFixture) -> None:
+    from orchestration.cli import main
+
+    lens, _ = run
+    code = main(["sql", "SELECT model, count(*) AS n_rows FROM layer_summary GROUP BY model ORDER BY model",
+                 "--data-root", lens.data_root])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "tiny-gpt2" in out and "tiny-mamba" in out and str(N_LAYERS * len(CLASSES)) in out
+    assert main(["sql", "SELECT * FROM no_such_view", "--data-root", lens.data_root]) == 2
+    assert "no_such_view" in capsys.readouterr().err
