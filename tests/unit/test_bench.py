@@ -1,0 +1,56 @@
+"""The benchmark harness on tiny inputs: records are complete and consistent (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from updatelens import bench
+from updatelens.capture import capture
+from updatelens.config import AnalysisConfig
+
+
+def test_bench_records_on_a_tiny_model(tiny_models: dict, tmp_path: Path) -> None:
+    lm = tiny_models["tiny-llama"]
+    ids = np.random.default_rng(0).integers(5, 500, size=(4, 16))
+    cap = capture(lm, ids, np.ones_like(ids))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((600, 16))
+    y = x + np.tanh(x)
+    groups = np.repeat(np.arange(60), 10)
+    cfg = AnalysisConfig(k=16, rank=2)
+    f64, f32 = bench.matmul_flops(256, torch.float64), bench.matmul_flops(256, torch.float32)
+    records = [bench.bench_capture(lm, ids), *bench.bench_fits(x, y, groups, cfg, f64, f32),
+               *bench.bench_knn(cap.states[1:].reshape(-1, lm.d_model).astype(np.float32), 8, 500),
+               bench.bench_perturbation(lm, ids, cap.states, 4)]
+    names = {r.name for r in records}
+    assert {"capture_tokens_per_s", "fit_lowrank_f64_flops", "fit_orthogonal_f32_flops", "fit_lowrank_speedup_vs_loop",
+            "knn_exact_seconds", "knn_hnsw_recall_at_k", "knn_hnsw_speedup", "perturbation_all_layers_seconds"} <= names
+    for r in records:
+        assert r.value > 0 and np.isfinite(r.value)
+        if r.target:
+            assert r.met in (True, False)
+    capture_record = records[0]
+    assert abs(capture_record.ratio - capture_record.value / capture_record.reference) < 1e-9
+    recall = next(r for r in records if r.name == "knn_hnsw_recall_at_k")
+    assert 0 <= recall.value <= 1
+    path = tmp_path / "bench" / "bench.json"
+    bench.write_json(records, path, device="cpu")
+    rows = json.loads(path.read_text())
+    assert len(rows) == len(records)
+    assert set(rows[0]) >= {"name", "value", "unit", "reference", "ratio", "target", "met", "device"}
+
+
+def test_lowrank_loop_reference_agrees_with_the_batched_fit() -> None:
+    rng = np.random.default_rng(2)
+    X, Y = rng.standard_normal((30, 12)), rng.standard_normal((30, 12))
+    xa = rng.standard_normal(12)
+    from updatelens.fits import FitParams
+    from updatelens.fits.lowrank import fit_lowrank
+
+    fast = fit_lowrank(torch.tensor(X[None]), torch.tensor(Y[None]), torch.tensor(xa[None]),
+                       FitParams(rank=3, ridge=1e-2)).tx.numpy()[0]
+    np.testing.assert_allclose(bench.reference_lowrank_loop(X, Y, xa, 3, 1e-2), fast, rtol=1e-6, atol=1e-8)

@@ -1,0 +1,194 @@
+"""Benchmarks of the hot stages against physical references measured in the same process.
+
+Every figure is the median of several repetitions after a warm-up. Each record says what was
+measured, against which reference, the ratio, the target and whether it is met:
+    {name, value, unit, reference, ratio, target, met, note}
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from updatelens.capture import capture
+from updatelens.config import AnalysisConfig
+from updatelens.fits import FitParams, fit_local_batched
+from updatelens.models import LoadedModel
+from updatelens.neighbours import knn, prepare
+from updatelens.perturbation import Variant, original_log_probs, patched_kl
+
+
+@dataclass
+class Record:
+    name: str
+    value: float
+    unit: str
+    reference: float | None = None  # the same-run baseline, in the unit `reference_unit` of the note
+    ratio: float | None = None
+    target: str = ""
+    met: bool | None = None
+    note: str = ""
+
+
+def timeit(fn: Callable[[], object], reps: int = 3, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_flops(n: int, dtype: torch.dtype, reps: int = 3) -> float:
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / timeit(lambda: a @ b, reps)
+
+
+# ---- 1. capture --------------------------------------------------------------------------------
+def bench_capture(lm: LoadedModel, ids: np.ndarray) -> Record:
+    t_ids = torch.as_tensor(ids)
+
+    def bare() -> None:
+        with torch.inference_mode():
+            lm.model(input_ids=t_ids, use_cache=False)
+
+    t_bare = timeit(bare)
+    t_hooked = timeit(lambda: capture(lm, ids, np.ones_like(ids), batch_size=len(ids)))
+    tokens = ids.size
+    ratio = t_bare / t_hooked
+    return Record("capture_tokens_per_s", tokens / t_hooked, "tokens/s", tokens / t_bare, ratio,
+                  ">= 0.9 x bare forward", ratio >= 0.9, f"batch {ids.shape}, all L+1 hooks, tensors moved to CPU")
+
+
+# ---- 2. local fits ------------------------------------------------------------------------------
+def fit_flops(fn_class: str, k: int, d: int, r: int) -> float:
+    """FLOPs of one anchor's fit as implemented (dense products and eigen/QR/SVD at textbook cost)."""
+    if fn_class == "lowrank":  # K, alpha (2 products), F, G, kappa/p/w/delta; two k x k eigh (~9 k^3)
+        return 2 * k * k * d * 5 + 2 * 9 * k**3
+    if fn_class == "orthogonal":  # QR d x 2k, X B and Y B, M, SVD m x m (~22 m^3), projections
+        m = min(d, 2 * k)
+        return 2 * d * m * m + 2 * 2 * k * d * m + 2 * k * m * m + 22 * m**3 + 4 * d * m
+    return 6 * k * d  # diagonal classes: a few passes over X and Y
+
+
+def reference_lowrank_loop(X: np.ndarray, Y: np.ndarray, xa: np.ndarray, rank: int, ridge: float) -> np.ndarray:
+    """The plain per-anchor way: numpy lstsq of D on X, SVD of the fit, project (one anchor)."""
+    D = Y - X
+    lam = ridge * np.mean(np.sum(X * X, axis=1))
+    A = np.vstack([X, np.sqrt(lam) * np.eye(X.shape[1])])
+    B = np.linalg.lstsq(A, np.vstack([D, np.zeros((X.shape[1], D.shape[1]))]), rcond=None)[0]
+    _, _, vt = np.linalg.svd(X @ B, full_matrices=False)
+    V = vt[:rank].T
+    return xa + xa @ B @ V @ V.T
+
+
+def bench_fits(x: np.ndarray, y: np.ndarray, groups: np.ndarray, cfg: AnalysisConfig,
+               f64: float, f32: float) -> list[Record]:
+    records = []
+    nb = knn(x, groups, cfg.k, cfg.metric, cfg.exclusion)
+    params = FitParams(rank=cfg.rank, ridge=cfg.ridge)
+    n, d = x.shape
+    for fn_class in ("diagonal", "psd_diagonal", "lowrank", "orthogonal"):
+        for dtype, peak in ((torch.float64, f64), (torch.float32, f32)):
+            if dtype == torch.float32 and fn_class not in ("lowrank", "orthogonal"):
+                continue
+            t = timeit(lambda: fit_local_batched(fn_class, x, y, nb, params, dtype, cfg.anchor_chunk), reps=2)
+            tag = "f64" if dtype == torch.float64 else "f32"
+            records.append(Record(f"fit_{fn_class}_{tag}_anchors_per_s", n / t, "anchors/s", note=f"N={n}, k={cfg.k}, d={d}"))
+            if fn_class in ("lowrank", "orthogonal"):
+                flops = n * fit_flops(fn_class, cfg.k, d, cfg.rank) / t
+                ratio = flops / peak
+                records.append(Record(f"fit_{fn_class}_{tag}_flops", flops / 1e9, "GFLOP/s", peak / 1e9, ratio,
+                                      f">= 0.3 x {tag} matmul", ratio >= 0.3, "FLOPs counted by fit_flops()"))
+    # speedup over a plain per-anchor loop, on a small N
+    n_small = 64
+    t_loop = timeit(lambda: [reference_lowrank_loop(x[nb[i]], y[nb[i]], x[i], cfg.rank, cfg.ridge)
+                             for i in range(n_small)], reps=1, warmup=0) / n_small
+    t_batched = timeit(lambda: fit_local_batched("lowrank", x, y, nb[:n_small], params),
+                       reps=3) / n_small
+    speedup = t_loop / t_batched
+    records.append(Record("fit_lowrank_speedup_vs_loop", speedup, "x", t_loop, speedup, ">= 50 x",
+                          speedup >= 50, f"per-anchor numpy lstsq+SVD loop on {n_small} anchors"))
+    return records
+
+
+# ---- 3. neighbours ------------------------------------------------------------------------------
+def bench_knn(vectors: np.ndarray, k: int, ann_n: int, seed: int = 0) -> list[Record]:
+    records = []
+    rng = np.random.default_rng(seed)
+    n_exact = min(20000, len(vectors))
+    x = vectors[:n_exact]
+    groups = np.arange(n_exact) // 127
+    t_knn = timeit(lambda: knn(x, groups, k), reps=2)
+    v, _ = prepare(x, "cosine_centered")
+    tv = torch.as_tensor(v)
+    t_mm = timeit(lambda: tv @ tv.T, reps=2)
+    ratio = t_knn / t_mm
+    records.append(Record("knn_exact_seconds", t_knn, "s", t_mm, ratio, "<= 1.2 x same-size matmul", ratio <= 1.2,
+                          f"N={n_exact}, d={x.shape[1]}, k={k}, sequence exclusion"))
+    # approximate index at ann_n: real vectors plus small noise to reach the size
+    reps = int(np.ceil(ann_n / len(vectors)))
+    big = np.concatenate([vectors + 0.05 * rng.standard_normal(vectors.shape).astype(np.float32) * vectors.std()
+                          for _ in range(reps)])[:ann_n]
+    big_groups = np.arange(ann_n) // 127
+    queries = rng.choice(ann_n, size=min(1000, ann_n), replace=False)
+    import faiss
+
+    vb, metric = prepare(big, "cosine_centered")
+    start = time.perf_counter()
+    flat = faiss.IndexFlat(vb.shape[1], metric)
+    flat.add(vb)
+    _, exact = flat.search(vb[queries], k + 1)
+    t_exact_all = (time.perf_counter() - start) * ann_n / len(queries)
+    start = time.perf_counter()
+    approx_all = knn(big, big_groups, k, index="hnsw", exclusion="self")
+    t_hnsw = time.perf_counter() - start
+    exact_sets = [set(row[row != q][:k]) for row, q in zip(exact, queries)]
+    recall = float(np.mean([len(s & set(approx_all[q])) / k for s, q in zip(exact_sets, queries)]))
+    speedup = t_exact_all / t_hnsw
+    records.append(Record("knn_hnsw_recall_at_k", recall, "", None, None, ">= 0.95", recall >= 0.95,
+                          f"N={ann_n}, 1000 sampled queries against exact search"))
+    records.append(Record("knn_hnsw_speedup", speedup, "x", t_exact_all, speedup, ">= 5 x exact", speedup >= 5,
+                          f"N={ann_n}; exact time extrapolated from 1000 queries; HNSW build+search {t_hnsw:.1f} s"))
+    return records
+
+
+# ---- 4. output perturbation ---------------------------------------------------------------------
+def bench_perturbation(lm: LoadedModel, ids: np.ndarray, states: np.ndarray, batch: int) -> Record:
+    orig = original_log_probs(lm, ids, batch)
+    t_full = timeit(lambda: original_log_probs(lm, ids, batch), reps=2)
+    start = time.perf_counter()
+    for layer in range(lm.n_layers):
+        patched_kl(lm, ids, layer, [Variant("patch", "-", states[layer + 1])], orig, batch)
+    t_all = time.perf_counter() - start
+    ratio = t_all / (lm.n_layers * t_full)
+    return Record("perturbation_all_layers_seconds", t_all, "s", lm.n_layers * t_full, ratio,
+                  "<= 0.6 x L full forwards", ratio <= 0.6, f"one patched variant per layer, {ids.shape}")
+
+
+def write_json(records: list[Record], path: Path, device: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = [{**asdict(r), "device": device} for r in records]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.rename(path)
+
+
+def table(records: list[Record]) -> str:
+    lines = [f"{'name':38} {'value':>12} {'unit':10} {'reference':>12} {'ratio':>7}  {'target':28} met"]
+    for r in records:
+        ref = f"{r.reference:12.4g}" if r.reference is not None else " " * 12
+        ratio = f"{r.ratio:7.3f}" if r.ratio is not None else " " * 7
+        met = "" if r.met is None else ("yes" if r.met else "NO")
+        lines.append(f"{r.name:38} {r.value:12.4g} {r.unit:10} {ref} {ratio}  {r.target:28} {met}")
+    return "\n".join(lines)
