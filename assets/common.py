@@ -18,7 +18,14 @@ from updatelens import CODE_VERSION
 from updatelens.config import AnalysisConfig
 from updatelens.tables import Provenance
 
-GROUP = "updatelens"
+# Groups that read as the pipeline's story in the UI: capture, then decomposition, then analysis.
+GROUPS = {
+    "activations": "capture",
+    "local_fits": "decomposition",
+    "residuals": "decomposition",
+    "geometry": "analysis",
+    "functional_metrics": "analysis",
+}
 
 
 class StaleInputError(RuntimeError):
@@ -81,7 +88,7 @@ def stage_asset(description: str, kinds: set[str], deps: tuple[object, ...] = ()
             name=fn.__name__,
             partitions_def=MODEL_LAYER,
             backfill_policy=dg.BackfillPolicy.single_run(),
-            group_name=GROUP,
+            group_name=GROUPS[fn.__name__],
             code_version=CODE_VERSION,
             kinds=kinds,
             deps=list(deps),

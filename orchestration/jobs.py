@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets.common import GROUP
+from assets.common import GROUPS
 from orchestration.partitions import MODEL_LAYER
 
-STAGES = ("activations", "local_fits", "residuals", "geometry", "functional_metrics")
+STAGES = tuple(GROUPS)  # activations, local_fits, residuals, geometry, functional_metrics
 
 # Everything for the selected (model, layer) partitions: select a model's key range to run it whole.
 analyse_job = dg.define_asset_job(
     "analyse",
-    selection=dg.AssetSelection.groups(GROUP),
+    selection=dg.AssetSelection.assets(*STAGES),
     partitions_def=MODEL_LAYER,
     description="All five stages for the selected partitions (a model's key range runs it whole).",
 )

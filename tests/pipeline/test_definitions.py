@@ -24,11 +24,13 @@ def test_asset_graph_snapshot() -> None:
         assert {p.to_user_string() for p in node.parent_keys} == parents, key
         assert isinstance(node.partitions_def, dg.DynamicPartitionsDefinition)
         assert node.partitions_def.name == "model_layer"
-        assert node.group_name == "updatelens"
+        assert node.group_name == {"activations": "capture", "local_fits": "decomposition",
+                                   "residuals": "decomposition"}.get(key, "analysis")
         assert node.backfill_policy == dg.BackfillPolicy.single_run()
 
 
 def test_jobs_and_resources() -> None:
-    assert defs.resolve_job_def("analyse").name == "analyse"
+    analyse = defs.resolve_job_def("analyse")
+    assert {k.to_user_string() for k in analyse.asset_layer.selected_asset_keys} == set(LINEAGE)
     lens = defs.resources["lens"]
     assert lens.config().classes == ("diagonal", "lowrank")

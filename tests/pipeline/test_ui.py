@@ -70,7 +70,7 @@ def test_asset_graph_and_partitions_pages_render_in_chromium(tmp_path: Path) -> 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     try:
         wait_ready(proc, port)
-        pages = {"asset_graph.png": f"http://127.0.0.1:{port}/asset-groups/updatelens",
+        pages = {"asset_graph.png": f"http://127.0.0.1:{port}/asset-groups",
                  "partitions.png": f"http://127.0.0.1:{port}/assets/local_fits?view=partitions"}
         for name, url in pages.items():
             screenshot(url, SCREENSHOTS / name, tmp_path / f"profile-{name}")
