@@ -131,12 +131,15 @@ def compute_fits(data: LayerData, cfg: AnalysisConfig) -> tuple[dict[str, LayerF
 
 def fits_table(data: LayerData, fits: dict[str, LayerFit], neighbours: np.ndarray | None,
                prov: Provenance) -> pa.Table:
+    """Rows per (class, kept token). `neighbours` holds the k neighbours' row numbers among the
+    layer's kept tokens in (seq, pos) order; null for the per-layer classes."""
     n = int(data.kept.sum())
+    width = neighbours.shape[1] if neighbours is not None else 1
+    local_nb = (pa.FixedSizeListArray.from_arrays(pa.array(neighbours.reshape(-1).astype(np.int32)), width)
+                if neighbours is not None else None)
     parts = []
     for fn_class, fit in fits.items():
-        nb = (pa.FixedSizeListArray.from_arrays(pa.array(neighbours.reshape(-1).astype(np.int32)), neighbours.shape[1])
-              if neighbours is not None and fn_class in LOCAL_CLASSES
-              else pa.nulls(n, pa.list_(pa.int32(), neighbours.shape[1] if neighbours is not None else 1)))
+        nb = local_nb if local_nb is not None and fn_class in LOCAL_CLASSES else pa.nulls(n, pa.list_(pa.int32(), width))
         cols = {
             "fn_class": pa.array([fn_class] * n),
             "seq": pa.array(data.seq),
