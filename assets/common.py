@@ -15,7 +15,9 @@ from orchestration.partitions import MODEL_LAYER, group_keys
 from storage import catalog
 from storage.layout import model_lock, read_partition, write_partition
 from updatelens import CODE_VERSION
+from updatelens.analysis import LayerData, fits_from_table, layer_data
 from updatelens.config import AnalysisConfig
+from updatelens.fits import LayerFit
 from updatelens.tables import Provenance
 
 # Groups that read as the pipeline's story in the UI: capture, then decomposition, then analysis.
@@ -41,6 +43,14 @@ def read_upstream(root: Path, table: str, model: str, layer: int, cfg: AnalysisC
             f"{cfg.config_id}; rematerialize the upstream assets for this partition with the same "
             f"configuration")
     return data
+
+
+def read_layer(root: Path, model: str, layer: int, cfg: AnalysisConfig) -> tuple[pa.Table, LayerData, dict[str, LayerFit]]:
+    """What the stages after local_fits start from: the activations rows, the transition's
+    arrays and the fitted T(x) per class, all checked against this run's configuration."""
+    act = read_upstream(root, "activations", model, layer, cfg)
+    data = layer_data(act)
+    return act, data, fits_from_table(read_upstream(root, "local_fits", model, layer, cfg), data)
 
 
 def provenance_from(table: pa.Table, cfg: AnalysisConfig) -> Provenance:

@@ -4,10 +4,10 @@ Spearman(error, KL)."""
 import dagster as dg
 
 from assets import checks
-from assets.common import Written, each_model, finish, provenance_from, read_upstream, stage_asset
+from assets.common import Written, each_model, finish, provenance_from, read_layer, read_upstream, stage_asset
 from assets.geometry import geometry
 from orchestration.resources import UpdateLensResource
-from updatelens.analysis import fits_from_table, functional_tables, layer_data
+from updatelens.analysis import functional_tables
 from updatelens.capture import block_output_is_tuple
 from updatelens.perturbation import original_log_probs
 
@@ -29,12 +29,10 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
         returns_tuple = block_output_is_tuple(lm)
         orig = None
         for layer in layers:
-            act = read_upstream(lens.root, "activations", model, layer, cfg)
+            act, data, fits = read_layer(lens.root, model, layer, cfg)
             read_upstream(lens.root, "geometry", model, layer, cfg)  # lineage and config check
-            data = layer_data(act)
             if orig is None:  # the sample is the same for every layer of the model
                 orig = original_log_probs(lm, data.input_ids, cfg.patch_batch)
-            fits = fits_from_table(read_upstream(lens.root, "local_fits", model, layer, cfg), data)
             fm, fs = functional_tables(lm, data, fits, orig, cfg, provenance_from(act, cfg), returns_tuple)
             stored_fm = written.add(lens.root, "functional_metrics", model, layer, fm)
             stored_fs = written.add(lens.root, "functional_summary", model, layer, fs)

@@ -3,10 +3,10 @@
 import dagster as dg
 
 from assets import checks
-from assets.common import Written, each_model, finish, provenance_from, read_upstream, stage_asset
+from assets.common import Written, each_model, finish, provenance_from, read_layer, read_upstream, stage_asset
 from assets.residuals import residuals
 from orchestration.resources import UpdateLensResource
-from updatelens.analysis import fits_from_table, geometry_tables, layer_data
+from updatelens.analysis import geometry_tables
 
 
 @stage_asset(
@@ -22,10 +22,8 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.
     verdicts: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, lens.root):
         for layer in layers:
-            act = read_upstream(lens.root, "activations", model, layer, cfg)
+            act, data, fits = read_layer(lens.root, model, layer, cfg)
             read_upstream(lens.root, "residuals", model, layer, cfg)  # lineage and config check
-            data = layer_data(act)
-            fits = fits_from_table(read_upstream(lens.root, "local_fits", model, layer, cfg), data)
             geo, spec = geometry_tables(data, fits, cfg, provenance_from(act, cfg))
             stored_geo = written.add(lens.root, "geometry", model, layer, geo)
             stored_spec = written.add(lens.root, "spectra", model, layer, spec)

@@ -5,10 +5,10 @@ import numpy as np
 import pyarrow.compute as pc
 
 from assets import checks
-from assets.common import Written, each_model, finish, provenance_from, read_upstream, stage_asset
+from assets.common import Written, each_model, finish, provenance_from, read_layer, stage_asset
 from assets.local_fits import local_fits
 from orchestration.resources import UpdateLensResource
-from updatelens.analysis import fits_from_table, layer_data, residuals_table
+from updatelens.analysis import residuals_table
 
 
 @stage_asset(
@@ -24,9 +24,7 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
     bounds: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, lens.root):
         for layer in layers:
-            act = read_upstream(lens.root, "activations", model, layer, cfg)
-            data = layer_data(act)
-            fits = fits_from_table(read_upstream(lens.root, "local_fits", model, layer, cfg), data)
+            act, data, fits = read_layer(lens.root, model, layer, cfg)
             stored = written.add(lens.root, "residuals", model, layer, residuals_table(data, fits, provenance_from(act, cfg)))
             key = f"{model}:{layer:02d}"
             recon[key] = checks.check_reconstruction(stored, data, fits, cfg, lens.checks)
