@@ -56,6 +56,79 @@ FUNCTIONAL_COLUMNS = ("kl_mean", "kl_median", "spearman_relerr_kl", "spearman_no
                       "kl_mean_random_control", "kl_mean_crude_control")
 
 
+# The paper's findings (METHOD.md), each measured per (model, config) on the class with the lowest
+# median relative error, with the threshold that decides whether it holds. Plain SQL over
+# layer_summary and spectra, so a reader can see how every figure is derived.
+FINDINGS_SQL = """
+CREATE OR REPLACE VIEW findings AS
+WITH per_class AS (
+    SELECT model, config_id, fn_class, median(rel_err_median) AS err
+    FROM layer_summary GROUP BY model, config_id, fn_class
+), best AS (
+    SELECT model, config_id, arg_min(fn_class, err) AS fn_class FROM per_class GROUP BY model, config_id
+), b AS (
+    SELECT ls.*, max(ls.layer) OVER (PARTITION BY ls.model, ls.config_id) + 1 AS n_layers
+    FROM layer_summary ls JOIN best USING (model, config_id, fn_class)
+), ranks AS (
+    SELECT model, config_id,
+           avg(CASE WHEN which = 'tok' THEN effective_rank END) AS rank_tok,
+           avg(CASE WHEN which = 'full' THEN effective_rank END) AS rank_full,
+           avg(CASE WHEN which = 'res' THEN effective_rank END) AS rank_res
+    FROM (SELECT DISTINCT model, layer, config_id, fn_class, which, effective_rank FROM spectra)
+    JOIN best USING (model, config_id, fn_class) GROUP BY model, config_id
+), classes AS (
+    SELECT model, config_id,
+           max(CASE WHEN fn_class = 'diagonal' THEN err END) - max(CASE WHEN fn_class = 'lowrank' THEN err END) AS gap
+    FROM per_class GROUP BY model, config_id
+), depth AS (
+    SELECT model, config_id,
+           avg(CASE WHEN layer >= n_layers / 3 AND layer < 2 * n_layers / 3 THEN rel_err_median END)
+         - avg(CASE WHEN layer < n_layers / 3 OR layer >= 2 * n_layers / 3 THEN rel_err_median END) AS gap
+    FROM b GROUP BY model, config_id
+)
+SELECT model, config_id, best.fn_class, f.finding, f.statement, f.measure, f.value, f.threshold,
+       CASE f.op WHEN '>=' THEN f.value >= f.bound ELSE f.value <= f.bound END AS holds
+FROM (
+    SELECT model, config_id, '1' AS finding, 'the full update is aligned with the tokenwise update' AS statement,
+           'median over layers of median cos(Δ_full, Δ_tok), update form' AS measure,
+           median(cos_full_tok_median) AS value, '>= 0.9' AS threshold, '>=' AS op, 0.9 AS bound
+    FROM b GROUP BY model, config_id
+    UNION ALL
+    SELECT model, config_id, '1 map', 'the full update is aligned with the tokenwise update',
+           'median over layers of median cos(y, T(x)), map form', median(cos_full_tok_map_median), '>= 0.9', '>=', 0.9
+    FROM b GROUP BY model, config_id
+    UNION ALL
+    SELECT model, config_id, '2 angle', 'the residual deviates by large angles',
+           'mean over layers of the share of tokens with angle(Δ_full, r) > 60°', avg(frac_res_angle_gt60),
+           '>= 0.5', '>=', 0.5
+    FROM b GROUP BY model, config_id
+    UNION ALL
+    SELECT model, config_id, '2 projection', 'the residual projects little onto the tokenwise subspace',
+           'mean over layers of the projection energy of r on the top-16 tokenwise directions',
+           avg(proj_res_m16), '<= 0.25', '<=', 0.25
+    FROM b GROUP BY model, config_id
+    UNION ALL
+    SELECT model, config_id, '3', 'full and tokenwise updates are low-dimensional, the residual is not',
+           'mean effective rank of Δ_full and Δ_tok over that of r (the larger of the two ratios)',
+           greatest(rank_full, rank_tok) / rank_res, '<= 0.5', '<=', 0.5
+    FROM ranks
+    UNION ALL
+    SELECT model, config_id, '4', 'approximation error predicts output perturbation',
+           'median over layers of Spearman(relative error, KL)', median(spearman_relerr_kl), '>= 0.7', '>=', 0.7
+    FROM b GROUP BY model, config_id
+    UNION ALL
+    SELECT model, config_id, '5', 'a diagonal map serves about as well as a low-rank one',
+           'median relative error of diagonal minus that of lowrank', gap, '<= 0.05', '<=', 0.05
+    FROM classes WHERE gap IS NOT NULL
+    UNION ALL
+    SELECT model, config_id, '6', 'middle layers have larger residuals',
+           'mean median relative error of the middle third of layers minus the outer thirds', gap, '>= 0', '>=', 0.0
+    FROM depth
+) f JOIN best USING (model, config_id)
+ORDER BY model, config_id, f.finding
+"""
+
+
 def catalog_path(root: Path) -> Path:
     return Path(root) / CATALOG_FILE
 
@@ -92,6 +165,11 @@ def create_views(con: duckdb.DuckDBPyConnection, root: Path) -> list[str]:
         views.append("layer_summary")
     else:
         con.execute("DROP VIEW IF EXISTS layer_summary")
+    if {"geometry", "functional_summary", "spectra"} <= set(present):
+        con.execute(FINDINGS_SQL)
+        views.append("findings")
+    else:
+        con.execute("DROP VIEW IF EXISTS findings")
     return views
 
 

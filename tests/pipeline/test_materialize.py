@@ -63,6 +63,7 @@ def test_every_view_is_queryable_from_the_catalog_file(run) -> None:
         for view, n in expected.items():
             assert con.sql(f"SELECT count(*) FROM {view}").fetchone()[0] == n, view
         assert con.sql("SELECT count(*) FROM spectra").fetchone()[0] > 0
+        assert con.sql("SELECT count(*) FROM findings").fetchone()[0] == len(MODELS) * 8  # 8 rows per model
         columns = {row[0] for row in con.sql("DESCRIBE layer_summary").fetchall()}
         assert LAYER_SUMMARY_COLUMNS <= columns
         bad = con.sql("SELECT count(*) FROM layer_summary WHERE n_tokens <> ? OR kl_mean IS NULL "
