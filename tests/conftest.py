@@ -23,3 +23,16 @@ def tiny_models(zoo: Path) -> dict[str, object]:
     from updatelens.registry import load_models
 
     return {slug: load_model(entry) for slug, entry in load_models(zoo).items()}
+
+
+@pytest.fixture(autouse=True)
+def isolated_dagster_instance_context():
+    """Dagster keeps the 'current' instance's definitions-state storage in a context variable. Some
+    sequences of instance_for_test / materialize leave it pointing at a disposed instance (seen:
+    the schedule test, then the pool test, then any defs.resolve_* call fails with 'undefined
+    DagsterInstance weakref'). Each test starts and ends with no current instance."""
+    from dagster._core.storage.defs_state.base import _current_storage
+
+    token = _current_storage.set(None)
+    yield
+    _current_storage.reset(token)
