@@ -71,10 +71,6 @@ class Written:
     paths: list[str] = field(default_factory=list)
     per_partition: dict[str, dict[str, object]] = field(default_factory=dict)  # key -> figures
 
-    @property
-    def partitions(self) -> list[str]:
-        return list(self.per_partition)
-
     def add(self, root: Path, name: str, model: str, layer: int, table: pa.Table) -> pa.Table:
         """Write a partition and return it as read back from disk: checks validate the file."""
         path = write_partition(root, name, model, layer, table)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import dagster as dg
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 MODEL_LAYER = dg.DynamicPartitionsDefinition(name="model_layer")
 
@@ -40,5 +41,6 @@ def group_keys(keys: Iterable[str]) -> dict[str, list[int]]:
     return {m: sorted(set(ls)) for m, ls in out.items()}
 
 
-def keys_of_model(all_keys: Sequence[str], model: str) -> list[str]:
-    return [k for k in all_keys if parse_key(k)[0] == model]
+def range_tags(keys: Sequence[str]) -> dict[str, str]:
+    """Run tags that make one run over a contiguous key range (the assets are single-run backfills)."""
+    return {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}

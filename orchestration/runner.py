@@ -7,18 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from orchestration.definitions import ASSETS
-from orchestration.partitions import MODEL_LAYER, model_keys, parse_key
+from orchestration.partitions import MODEL_LAYER, model_keys, parse_key, range_tags
 from orchestration.registry_watch import stale_keys
 from orchestration.resources import UpdateLensResource
 from updatelens import CODE_VERSION
 from updatelens.errors import ConfigError
 from updatelens.preflight import Preflight, preflight
 from updatelens.registry import get_corpus, get_model
-
-
 
 
 def dagster_yaml(model_pool_limit: int | None = None) -> str:
@@ -97,12 +94,11 @@ def materialize_model(model: str, lens: UpdateLensResource, instance: dg.Dagster
     chosen = list(range(report.n_layers)) if layers is None else sorted(set(layers))
     if len(contiguous_ranges(chosen)) != 1:
         raise ConfigError("layers must be a contiguous range (e.g. 3-7) for a single run")
-    tags = {ASSET_PARTITION_RANGE_START_TAG: keys[chosen[0]], ASSET_PARTITION_RANGE_END_TAG: keys[chosen[-1]]}
     return dg.materialize(
         list(selection or ASSETS),
         instance=instance,
         resources={"lens": lens},
-        tags=tags,
+        tags=range_tags([keys[layer] for layer in chosen]),
         run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
         raise_on_error=raise_on_error,
     )

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from orchestration.jobs import analyse_job
-from orchestration.partitions import MODEL_LAYER, model_keys
+from orchestration.partitions import MODEL_LAYER, model_keys, range_tags
 from orchestration.registry_watch import fingerprint, registry_changes, stale_keys
 from orchestration.resources import UpdateLensResource
 from updatelens import CODE_VERSION
@@ -22,8 +21,7 @@ def stale_run_requests(lens: UpdateLensResource, model: str, n_layers: int, run_
     keys = model_keys(model, n_layers)
     stale = stale_keys(lens.root, model, n_layers, lens.config().config_id, CODE_VERSION)
     if stale == keys:
-        tags = {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
-        return [dg.RunRequest(run_key=f"{model}@{run_key}", tags=tags)]
+        return [dg.RunRequest(run_key=f"{model}@{run_key}", tags=range_tags(keys))]
     return [dg.RunRequest(run_key=f"{key}@{run_key}", partition_key=key) for key in stale]
 
 

@@ -178,7 +178,7 @@ def residuals_table(data: LayerData, fits: dict[str, LayerFit], prov: Provenance
     parts = []
     for fn_class, fit in fits.items():
         dec = decompose(data.x, data.y, fit.tx)
-        m = token_metrics(data.x, data.y, fit.tx)
+        m = token_metrics(data.x, data.y, fit.tx, dec)
         cols = {
             "fn_class": pa.array([fn_class] * len(fit.tx)),
             "seq": pa.array(data.seq),
@@ -200,7 +200,7 @@ def geometry_tables(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisCon
     token_parts, spec_parts = [], []
     for fn_class, fit in fits.items():
         dec = decompose(data.x, data.y, fit.tx)
-        metrics = token_metrics(data.x, data.y, fit.tx)
+        metrics = token_metrics(data.x, data.y, fit.tx, dec)
         sub = dominant_subspace(dec.delta_tok, cfg.energy_threshold)
         metrics.update(projection_metrics(dec, sub, cfg.subspace_ms))
         n = len(fit.tx)

@@ -30,7 +30,7 @@ class Record:
     name: str
     value: float
     unit: str
-    reference: float | None = None  # the same-run baseline, in the unit `reference_unit` of the note
+    reference: float | None = None  # the same-run baseline (its unit is described by `target`/`note`)
     ratio: float | None = None
     target: str = ""
     met: bool | None = None
@@ -71,7 +71,7 @@ def bench_capture(lm: LoadedModel, ids: np.ndarray) -> Record:
 
 
 # ---- 2. local fits ------------------------------------------------------------------------------
-def fit_flops(fn_class: str, k: int, d: int, r: int) -> float:
+def fit_flops(fn_class: str, k: int, d: int) -> float:
     """FLOPs of one anchor's fit as implemented (dense products and eigen/QR/SVD at textbook cost)."""
     if fn_class == "lowrank":  # K, alpha (2 products), F, G, kappa/p/w/delta; two k x k eigh (~9 k^3)
         return 2 * k * k * d * 5 + 2 * 9 * k**3
@@ -106,7 +106,7 @@ def bench_fits(x: np.ndarray, y: np.ndarray, groups: np.ndarray, cfg: AnalysisCo
             tag = "f64" if dtype == torch.float64 else "f32"
             records.append(Record(f"fit_{fn_class}_{tag}_anchors_per_s", n / t, "anchors/s", note=f"N={n}, k={cfg.k}, d={d}"))
             if fn_class in ("lowrank", "orthogonal"):
-                flops = n * fit_flops(fn_class, cfg.k, d, cfg.rank) / t
+                flops = n * fit_flops(fn_class, cfg.k, d) / t
                 ratio = flops / peak
                 records.append(Record(f"fit_{fn_class}_{tag}_flops", flops / 1e9, "GFLOP/s", peak / 1e9, ratio,
                                       f">= 0.3 x {tag} matmul", ratio >= 0.3, "FLOPs counted by fit_flops()"))

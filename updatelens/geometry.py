@@ -40,9 +40,10 @@ def decompose(x: np.ndarray, y: np.ndarray, tx: np.ndarray) -> Decomposition:
     return Decomposition(delta_full=y64 - x64, delta_tok=t64 - x64, residual=y64 - t64)
 
 
-def token_metrics(x: np.ndarray, y: np.ndarray, tx: np.ndarray) -> dict[str, np.ndarray]:
-    """Norms, relative error, the three cosines (update form), the map form, and angles."""
-    dec = decompose(x, y, tx)
+def token_metrics(x: np.ndarray, y: np.ndarray, tx: np.ndarray, dec: Decomposition | None = None) -> dict[str, np.ndarray]:
+    """Norms, relative error, the three cosines (update form), the map form, and angles.
+    Pass `dec` when the caller already decomposed (x, y, tx), so it is not computed twice."""
+    dec = dec if dec is not None else decompose(x, y, tx)
     n_full, n_tok, n_res = _norm(dec.delta_full), _norm(dec.delta_tok), _norm(dec.residual)
     cos_full_tok = cosine(dec.delta_full, dec.delta_tok)
     cos_full_res = cosine(dec.delta_full, dec.residual)
