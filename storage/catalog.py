@@ -1,20 +1,31 @@
-"""The DuckDB catalog: one view per table over its Parquet, plus `layer_summary`.
+"""The DuckDB catalog: one view per table over its Parquet, plus derived views.
 
-`layer_summary` is the public SQL interface: one row per (model, layer, fn_class, config_id).
+`layer_summary` is the public SQL interface: one row per (model, layer, fn_class, config_id);
+`findings_by_class` and `findings` measure the paper's claims over it. Convention sweeps live in
+their own tables (`sweep_geometry`, ...) with the same derived views prefixed `sweep_`, and
+`sensitivity` shows how each finding moves with each convention.
 Views are rebuilt after each materialization (and by `updatelens sql`), so they always cover
 the partitions on disk; a view is created only for a table that has files.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import fcntl
+from pathlib import Path
 
 import duckdb
 import polars as pl
 
-from storage.layout import TABLES, glob_pattern, has_files
+from storage.layout import (
+    SWEEP_TABLES,
+    TABLES,
+    glob_pattern,
+    has_files,
+    has_sweep_files,
+    has_sweep_runs,
+    sweep_glob_pattern,
+    sweep_runs_pattern,
+)
 
 CATALOG_FILE = "updatelens.duckdb"
 
@@ -32,11 +43,12 @@ SELECT model, layer, fn_class, config_id,
        median(cos_full_res) AS cos_full_res_median,
        median(angle_full_res) AS angle_full_res_median,
        avg(CASE WHEN angle_full_res > 60 THEN 1.0 ELSE 0.0 END) AS frac_res_angle_gt60,
+       avg(CASE WHEN angle_tok_res > 60 THEN 1.0 ELSE 0.0 END) AS frac_res_tok_angle_gt60,
        avg(proj_full_m16) AS proj_full_m16,
        avg(proj_tok_m16) AS proj_tok_m16,
        avg(proj_res_m16) AS proj_res_m16,
        any_value(m90_tok) AS m90_tok
-FROM geometry
+FROM {geometry}
 GROUP BY model, layer, fn_class, config_id
 """
 
@@ -48,84 +60,146 @@ SELECT model, layer, fn_class, config_id,
        max(CASE WHEN variant = 'patch' THEN spearman_normres_kl END) AS spearman_normres_kl,
        max(CASE WHEN variant = 'random' THEN kl_mean END) AS kl_mean_random_control,
        max(CASE WHEN variant = 'crude' THEN kl_mean END) AS kl_mean_crude_control
-FROM functional_summary
+FROM {functional_summary}
 GROUP BY model, layer, fn_class, config_id
 """
 
 FUNCTIONAL_COLUMNS = ("kl_mean", "kl_median", "spearman_relerr_kl", "spearman_normres_kl",
                       "kl_mean_random_control", "kl_mean_crude_control")
 
+# Findings measured under another convention of METHOD.md than the main one:
+# (finding id, the finding it re-measures, the convention, its setting here, the main setting).
+ALTERNATIVE_MEASURES = (
+    ("1 map", "1", "alignment form", "map: cos(y, T(x))", "update: cos(y - x, T(x) - x)"),
+    ("2 angle vs tok", "2 angle", "angle reference", "against Δ_tok", "against Δ_full"),
+    ("4 norm", "4", "error measure", "||r||", "relative error"),
+)
 
-# The paper's findings (METHOD.md), each measured per (model, config) on the class with the lowest
-# median relative error, with the threshold that decides whether it holds. Plain SQL over
-# layer_summary and spectra, so a reader can see how every figure is derived.
-FINDINGS_SQL = """
-CREATE OR REPLACE VIEW findings AS
+# The paper's findings (METHOD.md), each measured per (model, config, class), with the threshold
+# that decides whether it holds. Plain SQL over layer_summary and spectra, so a reader can see how
+# every figure is derived. `findings` keeps the class with the lowest median relative error.
+FINDINGS_BY_CLASS_SQL = """
+CREATE OR REPLACE VIEW {name} AS
 WITH per_class AS (
     SELECT model, config_id, fn_class, median(rel_err_median) AS err
-    FROM layer_summary GROUP BY model, config_id, fn_class
-), best AS (
-    SELECT model, config_id, arg_min(fn_class, err) AS fn_class FROM per_class GROUP BY model, config_id
+    FROM {layer_summary} GROUP BY model, config_id, fn_class
 ), b AS (
-    SELECT ls.*, max(ls.layer) OVER (PARTITION BY ls.model, ls.config_id) + 1 AS n_layers
-    FROM layer_summary ls JOIN best USING (model, config_id, fn_class)
+    SELECT ls.*, max(ls.layer) OVER (PARTITION BY ls.model, ls.config_id) + 1 AS n_layers FROM {layer_summary} ls
 ), ranks AS (
-    SELECT model, config_id,
+    SELECT model, config_id, fn_class,
            avg(CASE WHEN which = 'tok' THEN effective_rank END) AS rank_tok,
            avg(CASE WHEN which = 'full' THEN effective_rank END) AS rank_full,
            avg(CASE WHEN which = 'res' THEN effective_rank END) AS rank_res
-    FROM (SELECT DISTINCT model, layer, config_id, fn_class, which, effective_rank FROM spectra)
-    JOIN best USING (model, config_id, fn_class) GROUP BY model, config_id
+    FROM (SELECT DISTINCT model, layer, config_id, fn_class, which, effective_rank FROM {spectra})
+    GROUP BY model, config_id, fn_class
 ), classes AS (
     SELECT model, config_id,
            max(CASE WHEN fn_class = 'diagonal' THEN err END) - max(CASE WHEN fn_class = 'lowrank' THEN err END) AS gap
     FROM per_class GROUP BY model, config_id
 ), depth AS (
-    SELECT model, config_id,
+    SELECT model, config_id, fn_class,
            avg(CASE WHEN layer >= n_layers / 3 AND layer < 2 * n_layers / 3 THEN rel_err_median END)
          - avg(CASE WHEN layer < n_layers / 3 OR layer >= 2 * n_layers / 3 THEN rel_err_median END) AS gap
-    FROM b GROUP BY model, config_id
+    FROM b GROUP BY model, config_id, fn_class
 )
-SELECT model, config_id, best.fn_class, f.finding, f.statement, f.measure, f.value, f.threshold,
+SELECT model, config_id, f.fn_class, f.finding, f.statement, f.measure, f.value, f.threshold,
        CASE f.op WHEN '>=' THEN f.value >= f.bound ELSE f.value <= f.bound END AS holds
 FROM (
-    SELECT model, config_id, '1' AS finding, 'the full update is aligned with the tokenwise update' AS statement,
+    SELECT model, config_id, fn_class, '1' AS finding, 'the full update is aligned with the tokenwise update' AS statement,
            'median over layers of median cos(Δ_full, Δ_tok), update form' AS measure,
            median(cos_full_tok_median) AS value, '>= 0.9' AS threshold, '>=' AS op, 0.9 AS bound
-    FROM b GROUP BY model, config_id
+    FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, '1 map', 'the full update is aligned with the tokenwise update',
+    SELECT model, config_id, fn_class, '1 map', 'the full update is aligned with the tokenwise update',
            'median over layers of median cos(y, T(x)), map form', median(cos_full_tok_map_median), '>= 0.9', '>=', 0.9
-    FROM b GROUP BY model, config_id
+    FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, '2 angle', 'the residual deviates by large angles',
+    SELECT model, config_id, fn_class, '2 angle', 'the residual deviates by large angles',
            'mean over layers of the share of tokens with angle(Δ_full, r) > 60°', avg(frac_res_angle_gt60),
            '>= 0.5', '>=', 0.5
-    FROM b GROUP BY model, config_id
+    FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, '2 projection', 'the residual projects little onto the tokenwise subspace',
+    SELECT model, config_id, fn_class, '2 angle vs tok', 'the residual deviates by large angles',
+           'mean over layers of the share of tokens with angle(Δ_tok, r) > 60°', avg(frac_res_tok_angle_gt60),
+           '>= 0.5', '>=', 0.5
+    FROM b GROUP BY ALL
+    UNION ALL
+    SELECT model, config_id, fn_class, '2 projection', 'the residual projects little onto the tokenwise subspace',
            'mean over layers of the projection energy of r on the top-16 tokenwise directions',
            avg(proj_res_m16), '<= 0.25', '<=', 0.25
-    FROM b GROUP BY model, config_id
+    FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, '3', 'full and tokenwise updates are low-dimensional, the residual is not',
+    SELECT model, config_id, fn_class, '3', 'full and tokenwise updates are low-dimensional, the residual is not',
            'mean effective rank of Δ_full and Δ_tok over that of r (the larger of the two ratios)',
            greatest(rank_full, rank_tok) / rank_res, '<= 0.5', '<=', 0.5
     FROM ranks
     UNION ALL
-    SELECT model, config_id, '4', 'approximation error predicts output perturbation',
+    SELECT model, config_id, fn_class, '4', 'approximation error predicts output perturbation',
            'median over layers of Spearman(relative error, KL)', median(spearman_relerr_kl), '>= 0.7', '>=', 0.7
-    FROM b GROUP BY model, config_id
+    FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, '5', 'a diagonal map serves about as well as a low-rank one',
-           'median relative error of diagonal minus that of lowrank', gap, '<= 0.05', '<=', 0.05
-    FROM classes WHERE gap IS NOT NULL
+    SELECT model, config_id, fn_class, '4 norm', 'approximation error predicts output perturbation',
+           'median over layers of Spearman(||r||, KL)', median(spearman_normres_kl), '>= 0.7', '>=', 0.7
+    FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, '6', 'middle layers have larger residuals',
+    SELECT per_class.model, per_class.config_id, per_class.fn_class, '5',
+           'a diagonal map serves about as well as a low-rank one',
+           'median relative error of diagonal minus that of lowrank', classes.gap, '<= 0.05', '<=', 0.05
+    FROM per_class JOIN classes USING (model, config_id) WHERE classes.gap IS NOT NULL
+    UNION ALL
+    SELECT model, config_id, fn_class, '6', 'middle layers have larger residuals',
            'mean median relative error of the middle third of layers minus the outer thirds', gap, '>= 0', '>=', 0.0
     FROM depth
-) f JOIN best USING (model, config_id)
-ORDER BY model, config_id, f.finding
+) f
+ORDER BY model, config_id, f.fn_class, f.finding
+"""
+
+FINDINGS_SQL = """
+CREATE OR REPLACE VIEW {name} AS
+WITH per_class AS (
+    SELECT model, config_id, fn_class, median(rel_err_median) AS err
+    FROM {layer_summary} GROUP BY model, config_id, fn_class
+), best AS (
+    SELECT model, config_id, arg_min(fn_class, err) AS fn_class FROM per_class GROUP BY model, config_id
+)
+SELECT f.* FROM {by_class} f JOIN best USING (model, config_id, fn_class)
+ORDER BY model, config_id, finding
+"""
+
+# How each finding moves with each convention. Three kinds of rows:
+#   a convention swept as a configuration (sweep_runs: one config per setting), measured on the
+#   baseline's best class; `class`: the baseline configuration, every class; and the measurement
+#   conventions (ALTERNATIVE_MEASURES), which every run computes both ways.
+SENSITIVITY_SQL = """
+CREATE OR REPLACE VIEW sensitivity AS
+WITH measures(alt, finding, convention, setting, main_setting) AS (VALUES {measures}),
+bases AS (SELECT DISTINCT model, base_config_id AS config_id FROM sweep_runs),
+base AS (SELECT f.* FROM sweep_findings f JOIN bases USING (model, config_id)),
+rows AS (
+    SELECT r.model, f.finding, r.convention, r.setting, r.config_id, f.fn_class, f.value, f.holds,
+           r.base_config_id
+    FROM sweep_runs r
+    JOIN base b ON b.model = r.model AND b.config_id = r.base_config_id
+    JOIN sweep_findings_by_class f ON f.model = r.model AND f.config_id = r.config_id
+         AND f.fn_class = b.fn_class AND f.finding = b.finding
+    WHERE r.convention <> 'class'
+    UNION ALL
+    SELECT r.model, f.finding, 'class', f.fn_class, f.config_id, f.fn_class, f.value, f.holds, r.base_config_id
+    FROM (SELECT DISTINCT model, config_id, base_config_id FROM sweep_runs
+          WHERE convention = 'class' OR config_id = base_config_id) r
+    JOIN sweep_findings_by_class f ON f.model = r.model AND f.config_id = r.config_id
+    WHERE f.finding NOT IN (SELECT alt FROM measures)
+    UNION ALL
+    SELECT b.model, m.finding, m.convention, m.setting, b.config_id, b.fn_class, b.value, b.holds, b.config_id
+    FROM base b JOIN measures m ON b.finding = m.alt
+)
+SELECT rows.model, rows.finding, rows.convention, rows.setting, rows.config_id, rows.fn_class,
+       rows.value, rows.holds, base.value AS baseline_value, base.holds AS baseline_holds,
+       rows.value - base.value AS delta, rows.holds <> base.holds AS flips
+FROM rows JOIN base ON base.model = rows.model AND base.config_id = rows.base_config_id
+                   AND base.finding = rows.finding
+WHERE rows.finding NOT IN (SELECT alt FROM measures)
+ORDER BY rows.model, rows.finding, rows.convention, rows.setting
 """
 
 
@@ -140,36 +214,84 @@ def view_sql(root: Path, table: str) -> str:
             f"hive_types = {{'model': VARCHAR, 'layer': INTEGER}})")
 
 
-def layer_summary_sql(has_functional: bool) -> str:
+def sweep_view_sql(root: Path, table: str) -> str:
+    pattern = sweep_glob_pattern(root, table).replace("'", "''")
+    return (f"CREATE OR REPLACE VIEW sweep_{table} AS SELECT * EXCLUDE (config) FROM read_parquet('{pattern}', "
+            f"hive_partitioning = true, union_by_name = true, "
+            f"hive_types = {{'config': VARCHAR, 'model': VARCHAR, 'layer': INTEGER}})")
+
+
+def layer_summary_sql(has_functional: bool, prefix: str = "") -> str:
+    geometry = LAYER_SUMMARY_GEOMETRY.format(geometry=f"{prefix}geometry")
     if has_functional:
-        return (f"CREATE OR REPLACE VIEW layer_summary AS SELECT g.*, "
+        functional = LAYER_SUMMARY_FUNCTIONAL.format(functional_summary=f"{prefix}functional_summary")
+        return (f"CREATE OR REPLACE VIEW {prefix}layer_summary AS SELECT g.*, "
                 f"{', '.join('f.' + c for c in FUNCTIONAL_COLUMNS)} "
-                f"FROM ({LAYER_SUMMARY_GEOMETRY}) g LEFT JOIN ({LAYER_SUMMARY_FUNCTIONAL}) f "
+                f"FROM ({geometry}) g LEFT JOIN ({functional}) f "
                 f"USING (model, layer, fn_class, config_id) ORDER BY model, layer, fn_class")
     nulls = ", ".join(f"CAST(NULL AS DOUBLE) AS {c}" for c in FUNCTIONAL_COLUMNS)
-    return (f"CREATE OR REPLACE VIEW layer_summary AS SELECT g.*, {nulls} "
-            f"FROM ({LAYER_SUMMARY_GEOMETRY}) g ORDER BY model, layer, fn_class")
+    return (f"CREATE OR REPLACE VIEW {prefix}layer_summary AS SELECT g.*, {nulls} "
+            f"FROM ({geometry}) g ORDER BY model, layer, fn_class")
+
+
+def findings_sql(prefix: str = "") -> list[str]:
+    names = {"layer_summary": f"{prefix}layer_summary", "spectra": f"{prefix}spectra"}
+    return [FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", **names),
+            FINDINGS_SQL.format(name=f"{prefix}findings", by_class=f"{prefix}findings_by_class", **names)]
+
+
+def sensitivity_sql() -> str:
+    measures = ", ".join("(" + ", ".join("'" + v.replace("'", "''") + "'" for v in m) + ")"
+                         for m in ALTERNATIVE_MEASURES)
+    return SENSITIVITY_SQL.format(measures=measures)
+
+
+DERIVED_VIEWS = ("layer_summary", "findings_by_class", "findings")
+
+
+def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: str) -> list[str]:
+    """layer_summary, findings_by_class and findings over one family of tables (main or sweep_)."""
+    views = []
+    if "geometry" in present:
+        con.execute(layer_summary_sql("functional_summary" in present, prefix))
+        views.append(f"{prefix}layer_summary")
+    if {"geometry", "functional_summary", "spectra"} <= present:
+        for statement in findings_sql(prefix):
+            con.execute(statement)
+        views += [f"{prefix}findings_by_class", f"{prefix}findings"]
+    for name in DERIVED_VIEWS:
+        if f"{prefix}{name}" not in views:
+            con.execute(f"DROP VIEW IF EXISTS {prefix}{name}")
+    return views
 
 
 def create_views(con: duckdb.DuckDBPyConnection, root: Path) -> list[str]:
     """(Re)create on `con` the views of every table with files; drop the others."""
-    present = [t for t in TABLES if has_files(Path(root), t)]
+    root = Path(root)
+    present = {t for t in TABLES if has_files(root, t)}
+    swept = {t for t in SWEEP_TABLES if has_sweep_files(root, t)}
     for table in TABLES:
         if table in present:
-            con.execute(view_sql(Path(root), table))
+            con.execute(view_sql(root, table))
         else:
             con.execute(f"DROP VIEW IF EXISTS {table}")
-    views = list(present)
-    if "geometry" in present:
-        con.execute(layer_summary_sql("functional_summary" in present))
-        views.append("layer_summary")
+    for table in SWEEP_TABLES:
+        if table in swept:
+            con.execute(sweep_view_sql(root, table))
+        else:
+            con.execute(f"DROP VIEW IF EXISTS sweep_{table}")
+    if has_sweep_runs(root):
+        pattern = sweep_runs_pattern(root).replace("'", "''")
+        con.execute(f"CREATE OR REPLACE VIEW sweep_runs AS SELECT * FROM read_parquet('{pattern}', union_by_name = true)")
     else:
-        con.execute("DROP VIEW IF EXISTS layer_summary")
-    if {"geometry", "functional_summary", "spectra"} <= set(present):
-        con.execute(FINDINGS_SQL)
-        views.append("findings")
+        con.execute("DROP VIEW IF EXISTS sweep_runs")
+    views = [t for t in TABLES if t in present] + _create_family(con, present, "")
+    views += [f"sweep_{t}" for t in SWEEP_TABLES if t in swept] + _create_family(con, swept, "sweep_")
+    if has_sweep_runs(root) and "sweep_findings" in views:
+        con.execute(sensitivity_sql())
+        views += ["sweep_runs", "sensitivity"]
     else:
-        con.execute("DROP VIEW IF EXISTS findings")
+        con.execute("DROP VIEW IF EXISTS sensitivity")
     return views
 
 

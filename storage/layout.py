@@ -14,7 +14,7 @@ import os
 import shutil
 import signal
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -71,14 +71,14 @@ def _write_parquet(table: pa.Table, path: Path, table_name: str) -> None:
         os.fsync(f.fileno())
 
 
-def write_partition(root: Path, table_name: str, model: str, layer: int, table: pa.Table) -> Path:
-    """Replace one partition whole; returns the final file path."""
+def publish_dir(root: Path, final: Path, fill: Callable[[Path], None]) -> Path:
+    """Build a directory with `fill(staging)` under `<root>/_staging`, then swap it into `final`
+    with two renames: readers see the old directory or the new one, never a half-written one."""
     root = Path(root)
     staging = _staging_dir(root)
     staging.mkdir(parents=True)
     try:
-        _write_parquet(table, staging / PART_FILE, table_name)
-        final = partition_dir(root, table_name, model, layer)
+        fill(staging)
         final.parent.mkdir(parents=True, exist_ok=True)
         old = None
         if final.exists():
@@ -88,10 +88,17 @@ def write_partition(root: Path, table_name: str, model: str, layer: int, table: 
         _fsync_dir(final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        return final / PART_FILE
+        return final
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_partition(root: Path, table_name: str, model: str, layer: int, table: pa.Table) -> Path:
+    """Replace one partition whole; returns the final file path."""
+    final = partition_dir(root, table_name, model, layer)
+    publish_dir(root, final, lambda staging: _write_parquet(table, staging / PART_FILE, table_name))
+    return final / PART_FILE
 
 
 def clean_abandoned_staging(root: Path) -> list[str]:
@@ -136,13 +143,19 @@ def read_partition(root: Path, table_name: str, model: str, layer: int) -> pa.Ta
     return pq.read_table(path)
 
 
+def _remove_dir(root: Path, path: Path) -> bool:
+    """Rename a directory out of sight, then delete it; False if it was not there."""
+    if not path.exists():
+        return False
+    trash = Path(root) / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
+    trash.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+    return True
+
+
 def delete_partition(root: Path, table_name: str, model: str, layer: int) -> None:
-    path = partition_dir(root, table_name, model, layer)
-    if path.exists():
-        trash = Path(root) / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
-        trash.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+    _remove_dir(root, partition_dir(root, table_name, model, layer))
 
 
 def has_files(root: Path, table_name: str) -> bool:
@@ -151,3 +164,51 @@ def has_files(root: Path, table_name: str) -> bool:
 
 def glob_pattern(root: Path, table_name: str) -> str:
     return str(Path(root).resolve() / table_name / "model=*" / "layer=*" / "*.parquet")
+
+
+# ---- convention sweeps --------------------------------------------------------------------------
+# A sweep stores each configuration's analysis tables under `<root>/sweeps/config=<id>/` with the
+# same layout as the main tables (so the same writer and the same SQL apply), and one record per
+# (model, config) in `<root>/sweeps/runs/model=<slug>/config=<id>/run.parquet` saying which
+# convention that configuration varies. Written last, the record is what makes a config visible
+# in the `sensitivity` view.
+SWEEPS = "sweeps"
+SWEEP_TABLES: tuple[str, ...] = ("geometry", "spectra", "functional_metrics", "functional_summary")
+SWEEP_RUN_FILE = "run.parquet"
+
+
+def sweep_root(root: Path, config_id: str) -> Path:
+    return Path(root) / SWEEPS / f"config={config_id}"
+
+
+def sweep_glob_pattern(root: Path, table_name: str) -> str:
+    return str(Path(root).resolve() / SWEEPS / "config=*" / table_name / "model=*" / "layer=*" / "*.parquet")
+
+
+def has_sweep_files(root: Path, table_name: str) -> bool:
+    return any((Path(root) / SWEEPS).glob(f"config=*/{table_name}/model=*/layer=*/{PART_FILE}"))
+
+
+def sweep_runs_dir(root: Path, model: str) -> Path:
+    return Path(root) / SWEEPS / "runs" / f"model={model}"
+
+
+def sweep_runs_pattern(root: Path) -> str:
+    return str(Path(root).resolve() / SWEEPS / "runs" / "model=*" / "config=*" / SWEEP_RUN_FILE)
+
+
+def has_sweep_runs(root: Path) -> bool:
+    return any((Path(root) / SWEEPS / "runs").glob(f"model=*/config=*/{SWEEP_RUN_FILE}"))
+
+
+def write_sweep_run(root: Path, model: str, config_id: str, record: pa.Table) -> Path:
+    final = sweep_runs_dir(root, model) / f"config={config_id}"
+    publish_dir(root, final, lambda staging: _write_parquet(record, staging / SWEEP_RUN_FILE, "sweep_runs"))
+    return final / SWEEP_RUN_FILE
+
+
+def clear_sweeps(root: Path, model: str) -> int:
+    """Remove a model's sweep records and partitions (a rerun of its sweep replaces it whole);
+    returns how many directories went. Records go first, so no half-removed config is listed."""
+    dirs = [sweep_runs_dir(root, model), *sorted((Path(root) / SWEEPS).glob(f"config=*/*/model={model}"))]
+    return sum(_remove_dir(root, path) for path in dirs)

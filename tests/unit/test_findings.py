@@ -4,20 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pytest
 
 from storage import catalog
-from storage.layout import write_partition
+from storage.layout import sweep_root, write_partition, write_sweep_run
 
 LAYERS, CLASSES, TOKENS = 3, ("diagonal", "lowrank"), 5
 PROV = {"config_id": "c1", "model_revision": "r", "corpus_slice": "s", "k": 8, "rank": 2, "dtype": "float64",
         "code_version": "v"}
 
 
-def fixture(root: Path) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
+def fixture(root: Path, config_id: str = "c1", seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    prov = {**PROV, "config_id": config_id}
     values: dict[str, np.ndarray] = {}
     for c_i, fn_class in enumerate(CLASSES):
         shape = (LAYERS, TOKENS)
@@ -25,8 +27,10 @@ def fixture(root: Path) -> dict[str, np.ndarray]:
         values[f"cos/{fn_class}"] = rng.uniform(0.3, 1.0, shape)
         values[f"cos_map/{fn_class}"] = rng.uniform(0.8, 1.0, shape)
         values[f"angle/{fn_class}"] = rng.uniform(10, 120, shape)
+        values[f"angle_tok/{fn_class}"] = rng.uniform(10, 120, shape)
         values[f"proj_res/{fn_class}"] = rng.uniform(0, 0.5, shape)
         values[f"rho/{fn_class}"] = rng.uniform(-0.2, 0.9, LAYERS)
+        values[f"rho_norm/{fn_class}"] = rng.uniform(-0.2, 0.9, LAYERS)
         for which in ("tok", "full", "res"):
             values[f"rank_{which}/{fn_class}"] = rng.uniform(5, 50, LAYERS) * (3 if which == "res" else 1)
     for layer in range(LAYERS):
@@ -37,44 +41,95 @@ def fixture(root: Path) -> dict[str, np.ndarray]:
                 "model": ["m"] * n, "layer": pa.array([layer] * n, pa.int32()), "fn_class": [fn_class] * n,
                 "rel_err": values[f"rel_err/{fn_class}"][layer], "cos_full_tok": values[f"cos/{fn_class}"][layer],
                 "cos_full_tok_map": values[f"cos_map/{fn_class}"][layer], "cos_full_res": np.zeros(n),
-                "angle_full_res": values[f"angle/{fn_class}"][layer], "proj_full_m16": np.zeros(n),
+                "angle_full_res": values[f"angle/{fn_class}"][layer],
+                "angle_tok_res": values[f"angle_tok/{fn_class}"][layer], "proj_full_m16": np.zeros(n),
                 "proj_tok_m16": np.zeros(n), "proj_res_m16": values[f"proj_res/{fn_class}"][layer],
-                "m90_tok": pa.array([1] * n, pa.int32()), **{k: [v] * n for k, v in PROV.items()}}))
+                "m90_tok": pa.array([1] * n, pa.int32()), **{k: [v] * n for k, v in prov.items()}}))
             fs.append(pa.table({
                 "model": ["m"], "layer": pa.array([layer], pa.int32()), "fn_class": [fn_class], "variant": ["patch"],
                 "kl_mean": [0.1], "kl_median": [0.1], "spearman_relerr_kl": [values[f"rho/{fn_class}"][layer]],
-                "spearman_normres_kl": [0.0], **{k: [v] for k, v in PROV.items()}}))
+                "spearman_normres_kl": [values[f"rho_norm/{fn_class}"][layer]], **{k: [v] for k, v in prov.items()}}))
             spec.append(pa.table({
                 "model": ["m"] * 6, "layer": pa.array([layer] * 6, pa.int32()), "fn_class": [fn_class] * 6,
                 "which": ["tok", "tok", "full", "full", "res", "res"], "idx": pa.array([0, 1] * 3, pa.int32()),
                 "effective_rank": [values[f"rank_{w}/{fn_class}"][layer] for w in ("tok", "tok", "full", "full", "res", "res")],
-                **{k: [v] * 6 for k, v in PROV.items()}}))
+                **{k: [v] * 6 for k, v in prov.items()}}))
         write_partition(root, "geometry", "m", layer, pa.concat_tables(geo))
         write_partition(root, "functional_summary", "m", layer, pa.concat_tables(fs))
         write_partition(root, "spectra", "m", layer, pa.concat_tables(spec))
     return values
 
 
+def hand_findings(v: dict[str, np.ndarray], fn_class: str) -> dict[str, float]:
+    per_layer_median = {c: np.median(v[f"rel_err/{c}"], axis=1) for c in CLASSES}
+    err = {c: np.median(per_layer_median[c]) for c in CLASSES}
+    return {
+        "1": np.median(np.median(v[f"cos/{fn_class}"], axis=1)),
+        "1 map": np.median(np.median(v[f"cos_map/{fn_class}"], axis=1)),
+        "2 angle": np.mean((v[f"angle/{fn_class}"] > 60).mean(axis=1)),
+        "2 angle vs tok": np.mean((v[f"angle_tok/{fn_class}"] > 60).mean(axis=1)),
+        "2 projection": np.mean(v[f"proj_res/{fn_class}"]),
+        "3": max(v[f"rank_full/{fn_class}"].mean(), v[f"rank_tok/{fn_class}"].mean()) / v[f"rank_res/{fn_class}"].mean(),
+        "4": np.median(v[f"rho/{fn_class}"]),
+        "4 norm": np.median(v[f"rho_norm/{fn_class}"]),
+        "5": err["diagonal"] - err["lowrank"],
+        "6": per_layer_median[fn_class][1] - np.mean(per_layer_median[fn_class][[0, 2]]),
+    }
+
+
 def test_findings_match_a_hand_computation(tmp_path: Path) -> None:
     v = fixture(tmp_path)
     rows = {r["finding"]: r for r in catalog.query(tmp_path, "SELECT * FROM findings").to_dicts()}
-    per_layer_median = {c: np.median(v[f"rel_err/{c}"], axis=1) for c in CLASSES}
-    err = {c: np.median(per_layer_median[c]) for c in CLASSES}
+    err = {c: np.median(np.median(v[f"rel_err/{c}"], axis=1)) for c in CLASSES}
     best = min(err, key=err.get)
     assert best == "lowrank" and all(r["fn_class"] == best for r in rows.values())
-    expected = {
-        "1": np.median(np.median(v[f"cos/{best}"], axis=1)),
-        "1 map": np.median(np.median(v[f"cos_map/{best}"], axis=1)),
-        "2 angle": np.mean((v[f"angle/{best}"] > 60).mean(axis=1)),
-        "2 projection": np.mean(v[f"proj_res/{best}"]),
-        "3": max(v[f"rank_full/{best}"].mean(), v[f"rank_tok/{best}"].mean()) / v[f"rank_res/{best}"].mean(),
-        "4": np.median(v[f"rho/{best}"]),
-        "5": err["diagonal"] - err["lowrank"],
-        "6": per_layer_median[best][1] - np.mean(per_layer_median[best][[0, 2]]),
-    }
+    expected = hand_findings(v, best)
     assert set(rows) == set(expected)
     for finding, value in expected.items():
         assert rows[finding]["value"] == pytest.approx(value, rel=1e-9), finding
     assert rows["5"]["holds"] == (expected["5"] <= 0.05)
     assert rows["4"]["holds"] == (expected["4"] >= 0.7)
     assert rows["2 angle"]["threshold"] == ">= 0.5"
+
+
+def test_findings_by_class_cover_every_class(tmp_path: Path) -> None:
+    v = fixture(tmp_path)
+    frame = catalog.query(tmp_path, "SELECT fn_class, finding, value FROM findings_by_class")
+    for fn_class in CLASSES:
+        got = {r["finding"]: r["value"] for r in frame.filter(frame["fn_class"] == fn_class).to_dicts()}
+        expected = hand_findings(v, fn_class)
+        assert set(got) == set(expected)
+        for finding, value in expected.items():
+            assert got[finding] == pytest.approx(value, rel=1e-9), (fn_class, finding)
+
+
+def test_sensitivity_against_hand_computation(tmp_path: Path) -> None:
+    """A baseline config and one varying k, stored as a sweep: each finding's move and flips."""
+    base = fixture(sweep_root(tmp_path, "c1"), "c1", seed=0)
+    other = fixture(sweep_root(tmp_path, "c2"), "c2", seed=1)
+    for cid, convention, setting in (("c1", "baseline", "default"), ("c2", "k", "32")):
+        write_sweep_run(tmp_path, "m", cid, pa.table({"model": ["m"], "config_id": [cid], "base_config_id": ["c1"],
+                                                      "convention": [convention], "setting": [setting]}))
+    rows = catalog.query(tmp_path, "SELECT * FROM sensitivity").to_dicts()
+    err = {c: np.median(np.median(base[f"rel_err/{c}"], axis=1)) for c in CLASSES}
+    best = min(err, key=err.get)
+    hand_base, hand_other = hand_findings(base, best), hand_findings(other, best)
+    by_key = {(r["finding"], r["convention"], r["setting"]): r for r in rows}
+    for finding in ("1", "2 angle", "2 projection", "3", "4", "5", "6"):
+        row = by_key[(finding, "k", "32")]
+        assert row["fn_class"] == best and row["config_id"] == "c2"
+        assert row["value"] == pytest.approx(hand_other[finding], rel=1e-9)
+        assert row["baseline_value"] == pytest.approx(hand_base[finding], rel=1e-9)
+        assert row["delta"] == pytest.approx(hand_other[finding] - hand_base[finding], rel=1e-6, abs=1e-12)
+        assert row["flips"] == (row["holds"] != row["baseline_holds"])
+    # the measurement conventions re-measure a finding on the baseline
+    assert by_key[("1", "alignment form", "map: cos(y, T(x))")]["value"] == pytest.approx(hand_base["1 map"])
+    assert by_key[("4", "error measure", "||r||")]["value"] == pytest.approx(hand_base["4 norm"])
+    assert by_key[("2 angle", "angle reference", "against Δ_tok")]["value"] == pytest.approx(hand_base["2 angle vs tok"])
+    # the class convention: every class of the baseline configuration
+    for fn_class in CLASSES:
+        assert by_key[("1", "class", fn_class)]["value"] == pytest.approx(hand_findings(base, fn_class)["1"])
+    # the sweep never leaks into the main findings
+    with duckdb.connect() as con:
+        views = catalog.create_views(con, tmp_path)
+    assert "findings" not in views and {"sweep_findings", "sensitivity"} <= set(views)
