@@ -10,6 +10,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import dagster as dg
+
+    from orchestration.resources import UpdateLensResource
 
 SUMMARY_SQL = """
 SELECT layer, fn_class, n_tokens,
@@ -62,7 +68,6 @@ def _print_frame(frame: object) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     import dagster as dg
 
-    from orchestration.resources import AnalysisSettings, UpdateLensResource
     from orchestration.runner import (
         check_inputs,
         contiguous_ranges,
@@ -75,13 +80,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["DAGSTER_HOME"] = str(project_dagster_home())
-    kwargs: dict[str, object] = {"corpus": args.corpus}
-    if args.data_root:
-        kwargs["data_root"] = str(Path(args.data_root).resolve())
-    if args.registry:
-        kwargs["registry"] = str(Path(args.registry).resolve())
     try:
-        lens = UpdateLensResource(analysis=AnalysisSettings(**_settings(args)), **kwargs)
+        lens = _lens_from(args)
         cfg = lens.config()
         cfg.validate()
     except (UpdateLensError, ValueError) as exc:
@@ -117,14 +117,125 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"  {evaluation.asset_key.to_user_string()}.{evaluation.check_name}: {status}{detail}")
     for result in results:
         if not result.success:
-            failures = [e for e in result.all_events if e.is_step_failure]
-            reason = failures[0].step_failure_data.error.message.strip() if failures else "see the log above"
-            print(f"updatelens run: the run failed: {reason}", file=sys.stderr)
+            print(f"updatelens run: the run failed: {_failure(result)}", file=sys.stderr)
             return 1
     print(f"\nPer-layer summary ({args.model}, config {cfg.config_id}; SQL view layer_summary):")
     _print_frame(catalog.query(lens.root, SUMMARY_SQL.format(model=args.model, config_id=cfg.config_id)))
     print(f"\npipeline wall time {wall:.1f} s, peak RSS {peak:.2f} GiB; catalog {catalog.catalog_path(lens.root)}")
+    with dg.DagsterInstance.get() as instance:
+        return _reports([args.model], lens, instance)
+
+
+def _failure(result: dg.ExecuteInJobResult) -> str:
+    """The first failed step's error message."""
+    failures = [e for e in result.all_events if e.is_step_failure]
+    return failures[0].step_failure_data.error.message.strip() if failures else "see the log above"
+
+
+def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterInstance) -> int:
+    """Materialize the models' reports and the comparison; print where they are."""
+    from orchestration.runner import materialize_reports
+    from reports.build import COMPARISON, reports_root
+    from storage import catalog
+
+    results = materialize_reports(models, lens, instance, raise_on_error=False)
+    for result in results:
+        if not result.success:
+            print(f"updatelens: the report failed: {_failure(result)}", file=sys.stderr)
+            return 1
+    base = reports_root(lens.root)
+    print("\nFindings (SQL view findings):")
+    quoted = ", ".join(f"'{m}'" for m in models)
+    _print_frame(catalog.query(lens.root, f"SELECT model, finding, fn_class, round(value, 3) AS value, threshold, "
+                                          f"holds FROM findings WHERE model IN ({quoted}) ORDER BY model, finding"))
+    for model in models:
+        print(f"report: {base / model / 'index.html'}")
+    print(f"comparison across models: {base / COMPARISON / 'index.html'}")
     return 0
+
+
+def _lens_from(args: argparse.Namespace) -> UpdateLensResource:
+    from orchestration.resources import AnalysisSettings, UpdateLensResource
+
+    kwargs: dict[str, object] = {}
+    if getattr(args, "corpus", None):
+        kwargs["corpus"] = args.corpus
+    if args.data_root:
+        kwargs["data_root"] = str(Path(args.data_root).resolve())
+    if getattr(args, "registry", None):
+        kwargs["registry"] = str(Path(args.registry).resolve())
+    return UpdateLensResource(analysis=AnalysisSettings(**_settings(args)), **kwargs)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Rebuild reports from stored results: no model is loaded, nothing is recomputed."""
+    import dagster as dg
+
+    from orchestration.runner import project_dagster_home
+    from storage import catalog
+
+    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
+    lens = _lens_from(args)
+    stored = catalog.query(lens.root, "SELECT DISTINCT model FROM layer_summary ORDER BY model") \
+        if (Path(lens.root) / "geometry").exists() else None
+    available = stored["model"].to_list() if stored is not None else []
+    models = [args.model] if args.model else available
+    missing = [m for m in models if m not in available]
+    if not models or missing:
+        what = f"model {missing[0]!r}" if missing else "any model"
+        print(f"updatelens report: no results for {what} under {lens.root}; stored: "
+              f"{', '.join(available) or 'none'} (run `updatelens run --model ...` first)", file=sys.stderr)
+        return 2
+    with dg.DagsterInstance.get() as instance:
+        return _reports(models, lens, instance)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """A convention sweep for one model; then its report (with the sensitivity table)."""
+    import dagster as dg
+
+    from orchestration.runner import (
+        check_inputs,
+        materialize_sweep,
+        project_dagster_home,
+    )
+    from storage import catalog
+    from updatelens.errors import UpdateLensError
+    from updatelens.sweep import DEFAULT_GRID, parse_grid, sweep_runs
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
+    sweep_config: dict[str, object] = {"grid": args.grid or json.dumps(DEFAULT_GRID)}
+    if args.layers:
+        sweep_config["layers"] = _parse_layers(args.layers)
+    if args.n_layers:
+        sweep_config["n_layers"] = args.n_layers
+    if args.with_controls:
+        sweep_config["with_controls"] = True
+    try:
+        lens = _lens_from(args)
+        base = lens.config()
+        if not args.with_controls:
+            base = base.replace(controls=())
+        runs = sweep_runs(base, parse_grid(str(sweep_config["grid"])))
+        check_inputs(args.model, lens, _parse_layers(args.layers))
+    except (UpdateLensError, ValueError, OSError) as exc:
+        print(f"updatelens sweep: {exc}", file=sys.stderr)
+        return 2
+    print(f"updatelens sweep: {args.model}, {len(runs)} configurations: "
+          + ", ".join(f"{r.convention}={r.setting} ({r.config.config_id})" for r in runs), flush=True)
+    start = time.perf_counter()
+    with dg.DagsterInstance.get() as instance:
+        result = materialize_sweep(args.model, lens, instance, sweep_config, raise_on_error=False)
+        if not result.success:
+            print(f"updatelens sweep: the sweep failed: {_failure(result)}", file=sys.stderr)
+            return 1
+        print(f"\nsweep wall time {time.perf_counter() - start:.1f} s. Sensitivity (SQL view sensitivity):")
+        _print_frame(catalog.query(lens.root, f"SELECT finding, convention, setting, fn_class, round(value, 3) AS value, "
+                                              f"holds, round(delta, 3) AS delta, flips FROM sensitivity "
+                                              f"WHERE model = '{args.model}' ORDER BY finding, convention, setting"))
+        has_main = (Path(lens.root) / "geometry" / f"model={args.model}").exists()
+        return _reports([args.model], lens, instance) if has_main else 0
 
 
 def _peak_rss_gib() -> float:
@@ -258,6 +369,24 @@ def main(argv: list[str] | None = None) -> int:
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=3000)
     ui.set_defaults(func=cmd_ui)
+
+    rep = sub.add_parser("report", help="rebuild reports (HTML + PNG) from stored results, no recomputation")
+    rep.add_argument("--model", help="registry slug (default: every model with results)")
+    rep.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
+    rep.set_defaults(func=cmd_report, set=None, classes=None, n_seq=None, seq_len=None, k=None, rank=None)
+
+    swp = sub.add_parser("sweep", help="analyse a model under a grid of conventions; prints the sensitivity table")
+    swp.add_argument("--model", default="smollm2-135m")
+    swp.add_argument("--corpus", default="wiki-embedded")
+    swp.add_argument("--grid", help='JSON {setting: [values]}, one at a time around the baseline '
+                                    '(default: exclusion self/none, k 32/128, rank 4/16, class psd_diagonal+orthogonal)')
+    swp.add_argument("--layers", help="comma-separated layers (default: --n-layers spread over the depth)")
+    swp.add_argument("--n-layers", dest="n_layers", type=int, help="how many layers when --layers is not given (8)")
+    swp.add_argument("--with-controls", action="store_true", help="also run the random/crude controls per config")
+    swp.add_argument("--set", action="append", metavar="KEY=VALUE", help="baseline AnalysisConfig fields")
+    swp.add_argument("--data-root")
+    swp.add_argument("--registry")
+    swp.set_defaults(func=cmd_sweep, classes=None, n_seq=None, seq_len=None, k=None, rank=None)
 
     bench_cmd = sub.add_parser("bench", help="benchmark every hot stage against same-run references")
     bench_cmd.add_argument("--data-root")

@@ -8,18 +8,20 @@ from assets.activations import activations
 from assets.functional_metrics import functional_metrics
 from assets.geometry import geometry
 from assets.local_fits import local_fits
+from assets.reports import comparison_report, convention_sweep, report
 from assets.residuals import residuals
 from orchestration.jobs import JOBS
 from orchestration.resources import UpdateLensResource
 from orchestration.schedules import stale_partitions_schedule
-from orchestration.sensors import model_registry_sensor
+from orchestration.sensors import model_registry_sensor, reports_after_analysis
 
-ASSETS = [activations, local_fits, residuals, geometry, functional_metrics]
+ASSETS = [activations, local_fits, residuals, geometry, functional_metrics]  # per (model, layer)
+PER_MODEL_ASSETS = [report, convention_sweep, comparison_report]
 
 defs = dg.Definitions(
-    assets=ASSETS,
+    assets=[*ASSETS, *PER_MODEL_ASSETS],
     jobs=JOBS,
-    sensors=[model_registry_sensor],
+    sensors=[model_registry_sensor, reports_after_analysis],
     schedules=[stale_partitions_schedule],
     resources={"lens": UpdateLensResource()},
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dagster as dg
 
 from assets.common import GROUPS
-from orchestration.partitions import MODEL_LAYER
+from orchestration.partitions import MODEL_LAYER, MODELS
 
 STAGES = tuple(GROUPS)  # activations, local_fits, residuals, geometry, functional_metrics
 
@@ -24,4 +24,16 @@ stage_jobs = [
     for stage in STAGES
 ]
 
-JOBS = [analyse_job, *stage_jobs]
+
+# Per model: its report from stored results (the reports_after_analysis sensor launches it).
+report_job = dg.define_asset_job(
+    "build_report", selection=dg.AssetSelection.assets("report"), partitions_def=MODELS,
+    description="Rebuild the selected models' reports from stored results (no recomputation).")
+comparison_job = dg.define_asset_job(
+    "build_comparison", selection=dg.AssetSelection.assets("comparison_report"),
+    description="Rebuild the comparison report across every materialized model.")
+sweep_job = dg.define_asset_job(
+    "sweep_conventions", selection=dg.AssetSelection.assets("convention_sweep"), partitions_def=MODELS,
+    description="Convention sweep for the selected models (set the grid in the launchpad's op config).")
+
+JOBS = [analyse_job, *stage_jobs, report_job, comparison_job, sweep_job]

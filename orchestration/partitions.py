@@ -12,9 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import dagster as dg
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+)
 
 MODEL_LAYER = dg.DynamicPartitionsDefinition(name="model_layer")
+# One key per model (its slug): the per-model assets (report, convention sweep) read all its layers.
+MODELS = dg.DynamicPartitionsDefinition(name="models")
 
 
 def layer_key(model: str, layer: int) -> str:

@@ -8,8 +8,15 @@ from pathlib import Path
 
 import dagster as dg
 
+from assets.reports import comparison_report, convention_sweep, report
 from orchestration.definitions import ASSETS
-from orchestration.partitions import MODEL_LAYER, model_keys, parse_key, range_tags
+from orchestration.partitions import (
+    MODEL_LAYER,
+    MODELS,
+    model_keys,
+    parse_key,
+    range_tags,
+)
 from orchestration.registry_watch import stale_keys
 from orchestration.resources import UpdateLensResource
 from updatelens import CODE_VERSION
@@ -55,6 +62,12 @@ def register_model(instance: dg.DagsterInstance, model: str, n_layers: int) -> l
     return wanted
 
 
+def register_model_key(instance: dg.DagsterInstance, model: str) -> None:
+    """The model's key of the per-model assets (report, convention sweep)."""
+    if not instance.has_dynamic_partition(MODELS.name, model):
+        instance.add_dynamic_partitions(MODELS.name, [model])
+
+
 def contiguous_ranges(layers: Sequence[int]) -> list[list[int]]:
     """[0, 1, 2, 5, 6] -> [[0, 1, 2], [5, 6]]: each range is one single-run backfill."""
     ranges: list[list[int]] = []
@@ -91,6 +104,7 @@ def materialize_model(model: str, lens: UpdateLensResource, instance: dg.Dagster
     """One in-process run over a contiguous range of the model's layers (default: all)."""
     report = report or check_inputs(model, lens, layers)
     keys = register_model(instance, model, report.n_layers)
+    register_model_key(instance, model)
     chosen = list(range(report.n_layers)) if layers is None else sorted(set(layers))
     if len(contiguous_ranges(chosen)) != 1:
         raise ConfigError("layers must be a contiguous range (e.g. 3-7) for a single run")
@@ -102,3 +116,26 @@ def materialize_model(model: str, lens: UpdateLensResource, instance: dg.Dagster
         run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
         raise_on_error=raise_on_error,
     )
+
+
+def materialize_reports(models: Sequence[str], lens: UpdateLensResource, instance: dg.DagsterInstance,
+                        comparison: bool = True, raise_on_error: bool = True) -> list[dg.ExecuteInJobResult]:
+    """Each model's report (from stored results), then the comparison across all models."""
+    results = []
+    for model in models:
+        register_model_key(instance, model)
+        results.append(dg.materialize([report], instance=instance, resources={"lens": lens}, partition_key=model,
+                                      raise_on_error=raise_on_error))
+    if comparison:
+        results.append(dg.materialize([comparison_report], instance=instance, resources={"lens": lens},
+                                      raise_on_error=raise_on_error))
+    return results
+
+
+def materialize_sweep(model: str, lens: UpdateLensResource, instance: dg.DagsterInstance,
+                      sweep_config: dict[str, object] | None = None, raise_on_error: bool = True) -> dg.ExecuteInJobResult:
+    """The model's convention sweep (loads the model once, analyses every configuration)."""
+    register_model_key(instance, model)
+    return dg.materialize([convention_sweep], instance=instance, resources={"lens": lens}, partition_key=model,
+                          run_config={"ops": {"convention_sweep": {"config": sweep_config or {}}}},
+                          raise_on_error=raise_on_error)

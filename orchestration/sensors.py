@@ -5,9 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import dagster as dg
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+)
 
-from orchestration.jobs import analyse_job
-from orchestration.partitions import MODEL_LAYER, model_keys, range_tags
+from orchestration.jobs import analyse_job, comparison_job, report_job
+from orchestration.partitions import (
+    MODEL_LAYER,
+    MODELS,
+    model_keys,
+    parse_key,
+    range_tags,
+)
 from orchestration.registry_watch import fingerprint, registry_changes, stale_keys
 from orchestration.resources import UpdateLensResource
 from updatelens import CODE_VERSION
@@ -33,6 +43,7 @@ def stale_run_requests(lens: UpdateLensResource, model: str, n_layers: int, run_
 def model_registry_sensor(context: dg.SensorEvaluationContext, lens: UpdateLensResource) -> dg.SensorResult:
     changes = registry_changes(Path(lens.registry), context.cursor)
     existing = set(context.instance.get_dynamic_partitions(MODEL_LAYER.name))
+    existing_models = set(context.instance.get_dynamic_partitions(MODELS.name))
     partition_requests, run_requests, skipped = [], [], []
     for entry in changes.added:
         try:
@@ -43,6 +54,8 @@ def model_registry_sensor(context: dg.SensorEvaluationContext, lens: UpdateLensR
         new = [k for k in model_keys(entry.slug, depth) if k not in existing]
         if new:
             partition_requests.append(MODEL_LAYER.build_add_request(new))
+        if entry.slug not in existing_models:
+            partition_requests.append(MODELS.build_add_request([entry.slug]))
         run_requests.extend(stale_run_requests(lens, entry.slug, depth, fingerprint(entry)))
     for slug in changes.removed:
         context.log.info(f"model {slug!r} left the registry: it is not rerun; its results stay queryable")
@@ -54,3 +67,26 @@ def model_registry_sensor(context: dg.SensorEvaluationContext, lens: UpdateLensR
         cursor=changes.cursor,
         skip_reason=None if run_requests else "no new model needs a run" + (f" ({'; '.join(skipped)})" if skipped else ""),
     )
+
+
+def models_of_run(tags: dict[str, str]) -> list[str]:
+    """The models an analyse run covered, from its partition tags (a key or a key range)."""
+    keys = [tags[t] for t in ("dagster/partition", ASSET_PARTITION_RANGE_START_TAG, ASSET_PARTITION_RANGE_END_TAG)
+            if t in tags]
+    return sorted({parse_key(key)[0] for key in keys})
+
+
+@dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, monitored_jobs=[analyse_job],
+                      request_jobs=[report_job, comparison_job], default_status=dg.DefaultSensorStatus.RUNNING,
+                      description="After an analyse run succeeds: rebuild the reports of the models it covered, "
+                                  "then the comparison across models (from stored results, no recomputation).")
+def reports_after_analysis(context: dg.RunStatusSensorContext) -> list[dg.RunRequest]:
+    run = context.dagster_run
+    models = models_of_run(dict(run.tags))
+    existing = set(context.instance.get_dynamic_partitions(MODELS.name))
+    new = [m for m in models if m not in existing]
+    if new:
+        context.instance.add_dynamic_partitions(MODELS.name, new)
+    requests = [dg.RunRequest(run_key=f"report:{m}:{run.run_id}", job_name=report_job.name, partition_key=m)
+                for m in models]
+    return [*requests, dg.RunRequest(run_key=f"comparison:{run.run_id}", job_name=comparison_job.name)]

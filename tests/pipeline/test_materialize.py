@@ -63,7 +63,7 @@ def test_every_view_is_queryable_from_the_catalog_file(run) -> None:
         for view, n in expected.items():
             assert con.sql(f"SELECT count(*) FROM {view}").fetchone()[0] == n, view
         assert con.sql("SELECT count(*) FROM spectra").fetchone()[0] > 0
-        assert con.sql("SELECT count(*) FROM findings").fetchone()[0] == len(MODELS) * 8  # 8 rows per model
+        assert con.sql("SELECT count(*) FROM findings").fetchone()[0] == len(MODELS) * 10  # 10 rows per model
         columns = {row[0] for row in con.sql("DESCRIBE layer_summary").fetchall()}
         assert LAYER_SUMMARY_COLUMNS <= columns
         bad = con.sql("SELECT count(*) FROM layer_summary WHERE n_tokens <> ? OR kl_mean IS NULL "
@@ -127,3 +127,88 @@ def test_updatelens_sql_prints_a_table(run, capsys: pytest.CaptureFixture) -> No
     assert "tiny-gpt2" in out and "tiny-mamba" in out and str(N_LAYERS * len(CLASSES)) in out
     assert main(["sql", "SELECT * FROM no_such_view", "--data-root", lens.data_root]) == 2
     assert "no_such_view" in capsys.readouterr().err
+
+
+def test_reports_build_from_stored_results_with_every_figure(run) -> None:
+    from PIL import Image
+
+    from orchestration.runner import materialize_reports
+    from reports.build import COMPARISON, COMPARISON_FIGURES, MODEL_FIGURES, reports_root
+
+    lens, instance = run
+    results = materialize_reports(MODELS, lens, instance)
+    assert all(r.success for r in results)
+    findings = catalog.query(lens.root, "SELECT model, finding FROM findings")
+    for model, result in zip(MODELS, results):
+        folder = reports_root(lens.root) / model
+        page = (folder / "index.html").read_text(encoding="utf-8")
+        for name in MODEL_FIGURES:
+            with Image.open(folder / f"{name}.png") as image:
+                assert image.width > 400 and image.height > 200, name
+            assert f"<img alt='{name}' src='data:image/png;base64," in page, name  # inlined: self-contained
+        assert "src='http" not in page and "href='http" not in page
+        for finding in findings.filter(findings["model"] == model)["finding"].to_list():
+            assert f"<td>{finding}</td>" in page
+        materialization = result.asset_materializations_for_node("report")[0]
+        assert {f"figure_{name}" for name in MODEL_FIGURES} <= set(materialization.metadata)
+        assert materialization.metadata["report"].value == str(folder / "index.html")
+        assert all(e.passed for e in result.get_asset_check_evaluations())
+    page = (reports_root(lens.root) / COMPARISON / "index.html").read_text(encoding="utf-8")
+    assert all(m in page for m in MODELS)
+    assert all(f"<img alt='{name}'" in page for name in COMPARISON_FIGURES)
+    assert not list((lens.root / "_staging").glob("*"))  # written whole, staging cleaned
+
+
+def test_convention_sweep_is_stored_side_by_side_and_replaced_whole(run) -> None:
+    from orchestration.runner import materialize_reports, materialize_sweep
+    from storage.layout import sweep_root
+    from updatelens.config import AnalysisConfig
+
+    lens, instance = run
+    grid = '{"k": [6], "exclusion": ["self"], "classes": [["diagonal", "lowrank"]]}'
+    result = materialize_sweep("tiny-llama", lens, instance, {"grid": grid, "layers": [0, 2]})
+    assert result.success
+    base = AnalysisConfig.from_dict({**AnalysisConfig().to_dict(), **SETTINGS}).replace(controls=())
+    expected = {base.config_id, base.replace(k=6).config_id, base.replace(exclusion="self").config_id,
+                base.replace(classes=("diagonal", "lowrank")).config_id}
+    runs = catalog.query(lens.root, "SELECT config_id, convention, setting, layers FROM sweep_runs")
+    assert set(runs["config_id"]) == expected and set(runs["layers"]) == {"0,2"}
+    for config_id in expected:
+        assert (sweep_root(lens.root, config_id) / "geometry" / "model=tiny-llama" / "layer=2").exists()
+    per_config = catalog.query(lens.root, "SELECT config_id, count(DISTINCT layer) AS n, min(k) AS k "
+                                          "FROM sweep_layer_summary GROUP BY config_id")
+    assert set(per_config["n"]) == {2}
+    assert dict(zip(per_config["config_id"], per_config["k"]))[base.replace(k=6).config_id] == 6
+    sens = catalog.query(lens.root, "SELECT * FROM sensitivity")
+    conventions = set(zip(sens["convention"], sens["setting"]))
+    assert {("baseline", "default"), ("k", "6"), ("exclusion", "self"), ("alignment form", "map: cos(y, T(x))"),
+            ("class", "mlp")} <= conventions
+    assert sens.filter((sens["convention"] == "baseline"))["delta"].abs().max() == 0
+    # the main tables are untouched by a sweep
+    assert set(catalog.query(lens.root, "SELECT DISTINCT config_id FROM geometry")["config_id"]) == {lens.config().config_id}
+    # the report now carries the sensitivity table
+    assert materialize_reports(["tiny-llama"], lens, instance, comparison=False)[0].success
+    from reports.build import reports_root
+
+    assert "Sensitivity to the conventions" in (reports_root(lens.root) / "tiny-llama" / "index.html").read_text()
+    # a rerun with another grid replaces the model's sweep whole
+    assert materialize_sweep("tiny-llama", lens, instance, {"grid": '{"rank": [1]}', "layers": [1]}).success
+    runs = catalog.query(lens.root, "SELECT config_id, layers FROM sweep_runs")
+    assert set(runs["config_id"]) == {base.config_id, base.replace(rank=1).config_id}
+    assert set(catalog.query(lens.root, "SELECT DISTINCT layer FROM sweep_geometry")["layer"]) == {1}
+
+
+def test_updatelens_report_regenerates_without_recomputing(run, monkeypatch, tmp_path: Path, capsys) -> None:
+    from orchestration.cli import main
+    from reports.build import reports_root
+
+    lens, _ = run
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    index = reports_root(lens.root) / "tiny-gpt2" / "index.html"
+    geometry_mtime = partition_file(lens.root, "geometry", "tiny-gpt2", 0).stat().st_mtime_ns
+    assert main(["report", "--model", "tiny-gpt2", "--data-root", lens.data_root]) == 0
+    out = capsys.readouterr().out
+    assert f"report: {index}" in out and "2 projection" in out
+    assert partition_file(lens.root, "geometry", "tiny-gpt2", 0).stat().st_mtime_ns == geometry_mtime
+    assert main(["report", "--model", "no-such-model", "--data-root", lens.data_root]) == 2
+    assert "no results for model 'no-such-model'" in capsys.readouterr().err

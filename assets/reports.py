@@ -1,0 +1,170 @@
+"""Per-model reports, the comparison across models, and convention sweeps (partitioned by model).
+
+Thin wiring over `reports.build` and `updatelens.sweep`: the report reads stored tables only; the
+sweep loads the model once and stores each configuration's analysis tables side by side under
+its config id (`<data root>/sweeps/config=<id>/...`), which the `sensitivity` view compares.
+"""
+
+import base64
+import json
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+
+from assets.functional_metrics import functional_metrics
+from orchestration.partitions import MODELS
+from orchestration.resources import UpdateLensResource
+from reports.build import (
+    COMPARISON_FIGURES,
+    MODEL_FIGURES,
+    Report,
+    build_comparison,
+    build_model_report,
+)
+from storage import catalog
+from storage.layout import (
+    SWEEP_TABLES,
+    clear_sweeps,
+    model_lock,
+    sweep_root,
+    write_partition,
+    write_sweep_run,
+)
+from updatelens import CODE_VERSION
+from updatelens.sweep import (
+    DEFAULT_GRID,
+    parse_grid,
+    run_record,
+    spread_layers,
+    sweep,
+    sweep_runs,
+)
+
+REPORT_CHECK = dg.AssetCheckSpec("report_complete", asset="report",
+                                 description="every figure is written and inlined in index.html, and the "
+                                             "findings table has a row per finding")
+
+
+def _md_table(frame: pl.DataFrame) -> str:
+    def cell(value: object) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(frame.columns) + " |", "|---" * len(frame.columns) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.iter_rows()]
+    return "\n".join(lines)
+
+
+def _report_metadata(report: Report, captions: dict[str, str]) -> dict[str, object]:
+    """The report's path, its findings, and each figure inlined as markdown (shown in the UI)."""
+    metadata: dict[str, object] = {
+        "report": dg.MetadataValue.path(str(report.index)),
+        "findings": dg.MetadataValue.md(_md_table(report.findings.select(
+            [c for c in ("model", "finding", "fn_class", "value", "threshold", "holds") if c in report.findings.columns]))),
+    }
+    for name, path in report.figures.items():
+        encoded = base64.b64encode(path.read_bytes()).decode()
+        metadata[f"figure_{name}"] = dg.MetadataValue.md(f"![{name}](data:image/png;base64,{encoded})\n\n{captions[name]}")
+    return metadata
+
+
+def _check_report(report: Report, captions: dict[str, str]) -> dg.AssetCheckResult:
+    page = report.index.read_text(encoding="utf-8")
+    missing = [name for name in captions if not report.figures[name].exists() or f"alt='{name}'" not in page]
+    findings = report.findings["finding"].unique().to_list()
+    ok = not missing and len(findings) > 0
+    return dg.AssetCheckResult(check_name="report_complete", passed=ok, metadata={
+        "figures": len(captions) - len(missing), "missing_figures": ", ".join(missing) or "none",
+        "findings": len(findings)})
+
+
+@dg.asset(
+    partitions_def=MODELS,
+    deps=[dg.AssetDep(functional_metrics, partition_mapping=dg.AllPartitionMapping()), "convention_sweep"],
+    group_name="reports",
+    kinds={"html", "matplotlib"},
+    code_version=CODE_VERSION,
+    check_specs=[REPORT_CHECK],
+    description="A model's report from its stored results (no recomputation): per-layer curves, residual-angle "
+                "histograms, error-vs-KL scatter, singular-value energy curves, controls, the findings table and, "
+                "if a convention sweep exists, the sensitivity table. `<data root>/reports/<model>/index.html` "
+                "(self-contained) with the PNGs beside it; the figures are in this asset's metadata.",
+)
+def report(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
+    model = context.partition_key
+    built = build_model_report(lens.root, model)
+    context.log.info(f"report for {model}: {built.index}")
+    metadata = _report_metadata(built, MODEL_FIGURES)
+    metadata["config_id"] = built.config_id
+    return dg.MaterializeResult(metadata=metadata, check_results=[_check_report(built, MODEL_FIGURES)])
+
+
+@dg.asset(
+    deps=[dg.AssetDep(report, partition_mapping=dg.AllPartitionMapping())],
+    group_name="reports",
+    kinds={"html", "matplotlib"},
+    code_version=CODE_VERSION,
+    description="Every materialized model side by side: per-layer curves on normalised depth and the findings "
+                "per model. `<data root>/reports/_comparison/index.html`.",
+)
+def comparison_report(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
+    built = build_comparison(lens.root)
+    context.log.info(f"comparison report: {built.index}")
+    metadata = _report_metadata(built, COMPARISON_FIGURES)
+    metadata["models"] = built.findings["model"].n_unique()
+    return dg.MaterializeResult(metadata=metadata)
+
+
+class SweepConfig(dg.Config):
+    """Which conventions to vary (one at a time around the lens's configuration) and where."""
+
+    grid: str = json.dumps(DEFAULT_GRID)  # {"setting": [values, ...]}: any AnalysisConfig field
+    layers: list[int] = []  # empty: `n_layers` layers spread from the first to the last
+    n_layers: int = 8
+    with_controls: bool = False  # the random/crude controls cost two patched forwards per layer
+
+
+@dg.asset(
+    partitions_def=MODELS,
+    group_name="reports",
+    kinds={"pytorch", "parquet"},
+    code_version=CODE_VERSION,
+    pool="model",
+    description="Convention sweep: the model's sample analysed under a grid of configurations (neighbour "
+                "exclusion, k, rank, class by default), each stored under its config id in "
+                "`<data root>/sweeps/config=<id>/`; SQL views `sweep_findings` and `sensitivity`. A rerun "
+                "replaces the model's sweep whole.",
+)
+def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource, config: SweepConfig) -> dg.MaterializeResult:
+    model = context.partition_key
+    lm = lens.load(model)
+    base = lens.config()
+    if not config.with_controls:
+        base = base.replace(controls=())
+    runs = sweep_runs(base, parse_grid(config.grid), d_model=lm.d_model, max_positions=lm.max_positions)
+    layers = config.layers or spread_layers(lm.n_layers, config.n_layers)
+    bad = [layer for layer in layers if not 0 <= layer < lm.n_layers]
+    if bad:
+        raise ValueError(f"{model} has {lm.n_layers} layers; no layer {bad}")
+    root = Path(lens.root)
+
+    def write(run, layer: int, tables: dict) -> None:
+        for table in SWEEP_TABLES:
+            write_partition(sweep_root(root, run.config.config_id), table, model, layer, tables[table])
+
+    with model_lock(root, model):
+        clear_sweeps(root, model)
+        sweep(lm, lens.sample(lm), runs, layers, write, log=context.log.info)
+        for run in runs:
+            write_sweep_run(root, model, run.config.config_id, run_record(model, run, base, layers))
+    catalog.refresh(root)
+    sensitivity = catalog.query(root, f"SELECT finding, convention, setting, round(value, 3) AS value, holds, flips "
+                                      f"FROM sensitivity WHERE model = '{model}'")
+    return dg.MaterializeResult(metadata={
+        "configs": len(runs),
+        "layers": ", ".join(map(str, layers)),
+        "config_ids": ", ".join(f"{r.convention}={r.setting}: {r.config.config_id}" for r in runs),
+        "sweeps_path": dg.MetadataValue.path(str(root / "sweeps")),
+        "verdicts_flipped": int(sensitivity["flips"].sum()),
+        "sensitivity": dg.MetadataValue.md(_md_table(sensitivity)),
+    })

@@ -1,0 +1,1 @@
+"""Reports: figures and HTML built from the catalog (no recomputation)."""

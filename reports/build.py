@@ -1,0 +1,299 @@
+"""Build a model's report, and the comparison across models, from stored results only.
+
+A report is a folder `<data root>/reports/<model slug>/` with `index.html` (self-contained: the
+figures are inlined, so the file can be mailed or archived alone) and the same figures as PNG
+beside it. It is written whole into a staging folder and swapped into place, so a reader never
+sees a half-written report. Nothing is recomputed: every number comes from the catalog's views.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import matplotlib.pyplot as plt
+import polars as pl
+from matplotlib.figure import Figure
+
+from reports import figures as fig
+from storage import catalog
+from storage.layout import publish_dir
+from updatelens.errors import UpdateLensError
+
+REPORTS = "reports"
+COMPARISON = "_comparison"  # not a valid model slug, so it never collides with one
+# Every figure of a model report, in the order the report shows them, with its caption.
+MODEL_FIGURES: dict[str, str] = {
+    "layer_curves": "Per-layer curves, one line per function class: relative error, alignment in update and map "
+                    "form, share of residual angles above 60°, projection energy of Δ_full, Δ_tok and r on the "
+                    "top-16 tokenwise directions, mean KL with the residual removed, Spearman(relative error, KL), "
+                    "and effective ranks.",
+    "angle_histograms": "Distribution of the angle between the full update and the residual, for an early, a "
+                        "middle and a late layer.",
+    "error_vs_kl": "Per-token relative error against the KL caused by removing the residual (all positions "
+                   "patched at once), early, middle and late layers.",
+    "energy_curves": "Cumulative singular-value energy of Δ_full, Δ_tok and r (uncentred), early, middle and "
+                     "late layers: a curve that rises fast is low-dimensional.",
+    "controls": "Mean KL with the residual removed, against the controls: a random direction of the same norm as "
+                "r, and the residual kept with a cruder tokenwise part.",
+}
+COMPARISON_FIGURES: dict[str, str] = {
+    "comparison_curves": "Per-layer curves of every materialized model against normalised depth, each model on "
+                         "the class with its lowest median relative error.",
+}
+DPI = 90
+
+
+class ReportError(UpdateLensError):
+    """Nothing (or not enough) is stored to build the requested report."""
+
+
+@dataclass
+class Report:
+    title: str
+    directory: Path
+    figures: dict[str, Path]
+    findings: pl.DataFrame
+    sensitivity: pl.DataFrame | None = None
+    config_id: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def index(self) -> Path:
+        return self.directory / "index.html"
+
+
+def reports_root(root: Path) -> Path:
+    return Path(root) / REPORTS
+
+
+def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: list[object] | None = None) -> pl.DataFrame:
+    return con.execute(sql, params or []).pl()
+
+
+def _views(con: duckdb.DuckDBPyConnection) -> set[str]:
+    return {row[0] for row in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+
+
+def _png(figure: Figure, path: Path) -> None:
+    figure.savefig(path, dpi=DPI)
+    plt.close(figure)
+
+
+def _data_uri(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+# ---- HTML ---------------------------------------------------------------------------------------
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1500px; color: #222; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 13px; }
+th, td { border: 1px solid #ccc; padding: 3px 7px; text-align: left; }
+th { background: #f3f3f3; }
+td.yes { background: #e3f4e3; } td.no { background: #fbe4e4; } td.flip { font-weight: bold; }
+img { max-width: 100%; border: 1px solid #eee; }
+figcaption { font-size: 13px; color: #555; margin-bottom: 1.5em; }
+code, pre { background: #f6f6f6; font-size: 12px; }
+pre { padding: 0.6em; overflow-x: auto; }
+"""
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def html_table(frame: pl.DataFrame, verdict_columns: tuple[str, ...] = ("holds",)) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in frame.columns)
+    rows = []
+    for row in frame.iter_rows(named=True):
+        cells = []
+        for column, value in row.items():
+            cls = f' class="{"yes" if value else "no"}"' if column in verdict_columns and isinstance(value, bool) else ""
+            cells.append(f"<td{cls}>{html.escape(_cell(value))}</td>")
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def _page(title: str, sections: list[str]) -> str:
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>")
+
+
+def _figure_section(name: str, caption: str, path: Path) -> str:
+    return (f"<figure id='{name}'><img alt='{name}' src='{_data_uri(path)}'>"
+            f"<figcaption><b>{name}.png</b>: {html.escape(caption)}</figcaption></figure>")
+
+
+# ---- model report -------------------------------------------------------------------------------
+def _main_config(con: duckdb.DuckDBPyConnection, model: str) -> tuple[str, list[str]]:
+    """The config covering most layers of the model (partitions can hold another after a partial rerun)."""
+    counts = _frame(con, "SELECT config_id, count(DISTINCT layer) AS n FROM layer_summary WHERE model = ? "
+                         "GROUP BY config_id ORDER BY n DESC, config_id", [model])
+    if counts.is_empty():
+        raise ReportError(f"no results for model {model!r} are stored; materialize it first "
+                          f"(`updatelens run --model {model}`)")
+    notes = []
+    if len(counts) > 1:
+        others = ", ".join(f"{r['config_id']} ({r['n']} layers)" for r in counts.slice(1).to_dicts())
+        notes.append(f"Some layers hold results of other configurations ({others}); this report shows "
+                     f"config {counts['config_id'][0]} only.")
+    return str(counts["config_id"][0]), notes
+
+
+def sensitivity_pivot(sensitivity: pl.DataFrame) -> pl.DataFrame:
+    """finding x (convention: setting) with the value and a mark when the verdict flips."""
+    if sensitivity.is_empty():
+        return sensitivity
+    frame = sensitivity.with_columns(
+        column=pl.col("convention") + pl.lit(": ") + pl.col("setting"),
+        cell=pl.col("value").round(3).cast(pl.String)
+        + pl.when(pl.col("holds")).then(pl.lit(" ✓")).otherwise(pl.lit(" ✗"))
+        + pl.when(pl.col("flips")).then(pl.lit(" (flips)")).otherwise(pl.lit("")),
+    )
+    order = frame.sort(["convention", "setting"])["column"].unique(maintain_order=True).to_list()
+    baseline = [c for c in order if c.startswith("baseline")]
+    pivot = frame.pivot(on="column", index="finding", values="cell", aggregate_function="first").sort("finding")
+    return pivot.select(["finding", *baseline, *[c for c in order if c not in baseline]])
+
+
+def build_model_report(root: Path, model: str) -> Report:
+    """Regenerate `<root>/reports/<model>/` from the stored tables; raises ReportError if absent."""
+    root = Path(root)
+    with catalog.connect(root) as con:
+        views = _views(con)
+        missing = {"layer_summary", "findings", "functional_metrics", "spectra"} - views
+        if missing:
+            raise ReportError(f"cannot build a report for {model!r}: the catalog at {root} lacks {sorted(missing)}; "
+                              f"materialize all five stages first (`updatelens run --model {model}`)")
+        config_id, notes = _main_config(con, model)
+        where, params = "model = ? AND config_id = ?", [model, config_id]
+        summary = _frame(con, f"SELECT * FROM layer_summary WHERE {where} ORDER BY layer, fn_class", params)
+        layers = sorted(summary["layer"].unique().to_list())
+        picks = fig.depth_layers(layers)
+        in_picks = f"layer IN ({', '.join(str(p) for p in picks)})"
+        ranks = _frame(con, f"SELECT DISTINCT layer, fn_class, which, effective_rank FROM spectra WHERE {where}", params)
+        angles = _frame(con, f"SELECT layer, fn_class, angle_full_res FROM geometry WHERE {where} AND {in_picks}", params)
+        points = _frame(con, f"SELECT layer, fn_class, rel_err, kl FROM functional_metrics WHERE {where} AND {in_picks} "
+                             f"AND variant = 'patch'", params)
+        spectra = _frame(con, f"SELECT layer, fn_class, which, idx, cum_energy FROM spectra WHERE {where} AND {in_picks}",
+                         params)
+        findings = _frame(con, f"SELECT finding, statement, measure, fn_class, value, threshold, holds FROM findings "
+                               f"WHERE {where} ORDER BY finding", params)
+        sensitivity, swept_layers = None, ""
+        if "sensitivity" in views:
+            sensitivity = _frame(con, "SELECT * FROM sensitivity WHERE model = ?", [model])
+            swept = _frame(con, "SELECT any_value(layers) AS layers FROM sweep_runs WHERE model = ?", [model])
+            swept_layers = str(swept["layers"][0] or "")
+        prov = _frame(con, f"SELECT model_revision, corpus, corpus_slice, code_version, config_json FROM geometry "
+                           f"WHERE {where} LIMIT 1", params).to_dicts()[0]
+    n_layers = layers[-1] + 1
+    if len(layers) < n_layers:
+        notes.append(f"Only layers {', '.join(map(str, layers))} are stored; curves skip the others.")
+    title = f"UpdateLens report: {model}"
+    drawings = {
+        "layer_curves": lambda: fig.layer_curves(summary, ranks, f"{model}, config {config_id}"),
+        "angle_histograms": lambda: fig.angle_histograms(angles, picks, f"{model}: residual angles"),
+        "error_vs_kl": lambda: fig.error_vs_kl(points, picks, f"{model}: error vs output perturbation"),
+        "energy_curves": lambda: fig.energy_curves(spectra, picks, f"{model}: singular-value energy"),
+        "controls": lambda: fig.controls(summary, f"{model}: is it the residual's direction or only its size?"),
+    }
+    summary_cols = ["layer", "fn_class", "n_tokens", "rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median",
+                    "frac_res_angle_gt60", "proj_full_m16", "proj_tok_m16", "proj_res_m16", "m90_tok", "kl_mean",
+                    "spearman_relerr_kl", "kl_mean_random_control", "kl_mean_crude_control"]
+    config = json.loads(prov["config_json"])
+
+    def fill(staging: Path) -> None:
+        for name, draw in drawings.items():
+            _png(draw(), staging / f"{name}.png")
+        sections = [
+            "<h2>Provenance</h2>" + html_table(pl.DataFrame({
+                "model": [model], "revision": [prov["model_revision"]], "corpus": [prov["corpus"]],
+                "corpus slice": [prov["corpus_slice"]], "config id": [config_id], "code version": [prov["code_version"]],
+                "layers": [f"{len(layers)} of {n_layers}"]})),
+            "".join(f"<p><i>{html.escape(n)}</i></p>" for n in notes),
+            "<h2>Findings</h2><p>Each of the paper's findings (METHOD.md) measured on this model, on the class with "
+            "the lowest median relative error, with the threshold that decides whether it holds. SQL: "
+            f"<code>SELECT * FROM findings WHERE model = '{html.escape(model)}'</code> (view definition below).</p>"
+            + html_table(findings),
+        ]
+        if sensitivity is not None and not sensitivity.is_empty():
+            sections.append(
+                "<h2>Sensitivity to the conventions</h2><p>Each finding re-measured with one convention changed "
+                f"(a convention sweep over layers {html.escape(swept_layers)}, without controls; ✓ holds, ✗ does "
+                "not; <b>flips</b> marks a verdict that differs from the sweep's own baseline). SQL: <code>SELECT * "
+                f"FROM sensitivity WHERE model = '{html.escape(model)}'</code>.</p>"
+                + html_table(sensitivity_pivot(sensitivity), ()))
+        sections.append("<h2>Figures</h2>" + "".join(
+            _figure_section(name, caption, staging / f"{name}.png") for name, caption in MODEL_FIGURES.items()))
+        sections.append("<h2>Per-layer summary</h2><p>SQL view <code>layer_summary</code>.</p>"
+                        + html_table(summary.select([c for c in summary_cols if c in summary.columns])))
+        sections.append("<h2>Configuration</h2><pre>" + html.escape(json.dumps(config, indent=1)) + "</pre>"
+                        "<h2>How the findings are derived</h2><pre>"
+                        + html.escape("\n".join(catalog.findings_sql())) + "</pre>")
+        (staging / "index.html").write_text(_page(title, sections), encoding="utf-8")
+
+    directory = publish_dir(root, reports_root(root) / model, fill)
+    return Report(title=title, directory=directory,
+                  figures={name: directory / f"{name}.png" for name in MODEL_FIGURES},
+                  findings=findings, sensitivity=sensitivity, config_id=config_id, notes=notes)
+
+
+# ---- comparison ---------------------------------------------------------------------------------
+def findings_pivot(findings: pl.DataFrame) -> pl.DataFrame:
+    """finding x model: the value with ✓ (holds) or ✗."""
+    cells = findings.with_columns(
+        cell=pl.col("value").round(3).cast(pl.String)
+        + pl.when(pl.col("holds")).then(pl.lit(" ✓")).otherwise(pl.lit(" ✗")))
+    thresholds = findings.group_by("finding").agg(pl.col("threshold").first(), pl.col("statement").first())
+    pivot = cells.pivot(on="model", index="finding", values="cell", aggregate_function="first")
+    return thresholds.join(pivot, on="finding").sort("finding")
+
+
+def build_comparison(root: Path) -> Report:
+    """`<root>/reports/_comparison/`: every model with results, side by side on normalised depth."""
+    root = Path(root)
+    with catalog.connect(root) as con:
+        if "findings" not in _views(con):
+            raise ReportError(f"no complete results are stored under {root}; materialize a model first")
+        models = _frame(con, "SELECT DISTINCT model FROM layer_summary ORDER BY model")["model"].to_list()
+        parts, finding_parts = [], []
+        for model in models:
+            config_id, _ = _main_config(con, model)
+            findings = _frame(con, "SELECT * FROM findings WHERE model = ? AND config_id = ?", [model, config_id])
+            if findings.is_empty():
+                continue
+            best = str(findings["fn_class"][0])
+            parts.append(_frame(con, "SELECT * FROM layer_summary WHERE model = ? AND config_id = ? AND fn_class = ?",
+                                [model, config_id, best]))
+            finding_parts.append(findings)
+    if not parts:
+        raise ReportError(f"no model under {root} has findings yet (all five stages are needed)")
+    summary = pl.concat(parts, how="diagonal_relaxed").with_columns(
+        depth=pl.col("layer") / pl.max_horizontal(pl.col("layer").max().over("model"), pl.lit(1)))
+    findings = pl.concat(finding_parts, how="diagonal_relaxed")
+    title = f"UpdateLens comparison: {len(parts)} model(s)"
+
+    def fill(staging: Path) -> None:
+        _png(fig.comparison_curves(summary, "per-layer curves on normalised depth"), staging / "comparison_curves.png")
+        sections = [
+            "<h2>Findings by model</h2><p>Value and verdict (✓ holds, ✗ does not) of each finding, per model, on "
+            "its best class. SQL: <code>SELECT * FROM findings</code>.</p>" + html_table(findings_pivot(findings), ()),
+            "<h2>Figures</h2>" + "".join(_figure_section(name, caption, staging / f"{name}.png")
+                                         for name, caption in COMPARISON_FIGURES.items()),
+            "<h2>Models</h2>" + html_table(findings.group_by("model", "config_id", "fn_class").agg().sort("model")),
+        ]
+        (staging / "index.html").write_text(_page(title, sections), encoding="utf-8")
+
+    directory = publish_dir(root, reports_root(root) / COMPARISON, fill)
+    return Report(title=title, directory=directory,
+                  figures={name: directory / f"{name}.png" for name in COMPARISON_FIGURES}, findings=findings)

@@ -1,0 +1,206 @@
+"""The report's figures: matplotlib (Agg, headless) drawings of polars frames read from the catalog.
+
+Each function takes the rows it draws and returns a Figure; nothing here queries storage.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import polars as pl
+from matplotlib.figure import Figure
+
+CLASS_COLOURS = {"diagonal": "tab:blue", "psd_diagonal": "tab:cyan", "lowrank": "tab:red",
+                 "orthogonal": "tab:green", "global_linear": "tab:purple", "mlp": "tab:brown"}
+WHICH_STYLES = {"full": ("Δ_full", "-"), "tok": ("Δ_tok", "--"), "res": ("r", ":")}
+
+# Per-layer panels: (column of layer_summary, title, y label, log scale)
+LAYER_PANELS = (
+    ("rel_err_median", "relative error ||r|| / ||Δ_full||", "median over tokens", False),
+    ("cos_full_tok_median", "alignment, update form", "median cos(Δ_full, Δ_tok)", False),
+    ("cos_full_tok_map_median", "alignment, map form", "median cos(y, T(x))", False),
+    ("frac_res_angle_gt60", "residual angle > 60°", "share of tokens, angle(Δ_full, r)", False),
+    (None, "projection on the top-16 tokenwise directions", "mean energy share", False),
+    ("kl_mean", "output perturbation (r removed)", "mean KL(p || p_patched), nats", True),
+    ("spearman_relerr_kl", "error vs perturbation", "Spearman(relative error, KL)", False),
+    ("effective_rank", "effective rank (solid Δ_full, dashed Δ_tok, dotted r)", "exp(entropy of σ² shares)", False),
+)
+
+
+def _colour(fn_class: str) -> str:
+    return CLASS_COLOURS.get(fn_class, "tab:gray")
+
+
+def layer_curves(summary: pl.DataFrame, ranks: pl.DataFrame, title: str) -> Figure:
+    """Per-layer curves, one line per function class. `summary` is layer_summary rows of one
+    (model, config); `ranks` has (layer, fn_class, which, effective_rank)."""
+    fig, axes = plt.subplots(2, 4, figsize=(17, 7.5), constrained_layout=True)
+    classes = summary["fn_class"].unique(maintain_order=True).to_list()
+    for ax, (column, panel_title, ylabel, log) in zip(axes.flat, LAYER_PANELS):
+        for fn_class in classes:
+            rows = summary.filter(pl.col("fn_class") == fn_class).sort("layer")
+            layer = rows["layer"].to_numpy()
+            if column is None:
+                for which, (label, style) in WHICH_STYLES.items():
+                    ax.plot(layer, rows[f"proj_{which}_m16"].to_numpy(), style, color=_colour(fn_class),
+                            label=f"{fn_class}: {label}")
+            elif column == "effective_rank":
+                rk = ranks.filter(pl.col("fn_class") == fn_class)
+                for which, (label, style) in WHICH_STYLES.items():
+                    part = rk.filter(pl.col("which") == which).sort("layer")
+                    ax.plot(part["layer"].to_numpy(), part["effective_rank"].to_numpy(), style,
+                            color=_colour(fn_class), label=f"{fn_class}: {label}")
+            elif column in rows.columns and rows[column].null_count() < len(rows):
+                ax.plot(layer, rows[column].cast(pl.Float64).to_numpy(), "o-", ms=3, color=_colour(fn_class),
+                        label=fn_class)
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(panel_title, fontsize=10)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    axes.flat[4].legend(fontsize=7, ncol=1)
+    fig.suptitle(title)
+    return fig
+
+
+def angle_histograms(angles: pl.DataFrame, layers: list[int], title: str) -> Figure:
+    """Histograms of angle(Δ_full, r) for chosen layers; `angles` has (layer, fn_class, angle_full_res)."""
+    fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), 3.6), constrained_layout=True, squeeze=False)
+    bins = np.linspace(0, 180, 37)
+    for ax, (label, layer) in zip(axes.flat, _depth_labels(layers)):
+        part = angles.filter(pl.col("layer") == layer)
+        for fn_class in part["fn_class"].unique(maintain_order=True).to_list():
+            values = part.filter(pl.col("fn_class") == fn_class)["angle_full_res"].to_numpy()
+            ax.hist(values, bins=bins, histtype="step", lw=1.5, color=_colour(fn_class),
+                    label=f"{fn_class} ({np.mean(values > 60):.0%} > 60°)")
+        ax.axvline(60, color="k", ls="--", lw=0.8)
+        ax.set_title(f"{label} layer {layer}", fontsize=10)
+        ax.set_xlabel("angle(Δ_full, r), degrees")
+        ax.set_ylabel("tokens")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return fig
+
+
+def error_vs_kl(points: pl.DataFrame, layers: list[int], title: str) -> Figure:
+    """Scatter of relative error against KL per token; `points` has (layer, fn_class, rel_err, kl)."""
+    fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), 3.8), constrained_layout=True, squeeze=False)
+    for ax, (label, layer) in zip(axes.flat, _depth_labels(layers)):
+        part = points.filter(pl.col("layer") == layer)
+        for fn_class in part["fn_class"].unique(maintain_order=True).to_list():
+            rows = part.filter(pl.col("fn_class") == fn_class)
+            ax.scatter(rows["rel_err"].to_numpy(), np.maximum(rows["kl"].to_numpy(), 1e-8), s=3, alpha=0.35,
+                       color=_colour(fn_class), label=fn_class, rasterized=True)
+        ax.set_yscale("log")
+        ax.set_title(f"{label} layer {layer}", fontsize=10)
+        ax.set_xlabel("relative error ||r|| / ||Δ_full||")
+        ax.set_ylabel("KL(p || p_patched), nats")
+        ax.legend(fontsize=8, markerscale=4)
+    fig.suptitle(title)
+    return fig
+
+
+def energy_curves(spectra: pl.DataFrame, layers: list[int], title: str) -> Figure:
+    """Cumulative singular-value energy of Δ_full, Δ_tok and r; `spectra` has
+    (layer, fn_class, which, idx, cum_energy)."""
+    fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), 3.8), constrained_layout=True, squeeze=False)
+    for ax, (label, layer) in zip(axes.flat, _depth_labels(layers)):
+        part = spectra.filter(pl.col("layer") == layer)
+        for fn_class in part["fn_class"].unique(maintain_order=True).to_list():
+            for which, (name, style) in WHICH_STYLES.items():
+                rows = part.filter((pl.col("fn_class") == fn_class) & (pl.col("which") == which)).sort("idx")
+                ax.plot(rows["idx"].to_numpy() + 1, rows["cum_energy"].to_numpy(), style, color=_colour(fn_class),
+                        label=f"{fn_class}: {name}")
+        ax.axhline(0.9, color="k", ls="--", lw=0.6)
+        ax.set_xscale("log")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"{label} layer {layer}", fontsize=10)
+        ax.set_xlabel("number of singular directions")
+        ax.set_ylabel("cumulative energy")
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    return fig
+
+
+def controls(summary: pl.DataFrame, title: str) -> Figure:
+    """Mean KL per layer: the residual removed vs the random-direction and cruder-class controls.
+    `summary` has (layer, fn_class, kl_mean, kl_mean_random_control, kl_mean_crude_control)."""
+    fig, ax = plt.subplots(figsize=(8, 3.8), constrained_layout=True)
+    for fn_class in summary["fn_class"].unique(maintain_order=True).to_list():
+        rows = summary.filter(pl.col("fn_class") == fn_class).sort("layer")
+        ax.plot(rows["layer"].to_numpy(), rows["kl_mean"].to_numpy(), "o-", ms=3, color=_colour(fn_class),
+                label=f"{fn_class}: residual removed")
+    primary = summary.filter(pl.col("kl_mean_random_control").is_not_null()).sort("layer")
+    for column, style, label in (("kl_mean_random_control", "k--", "random direction, same norm"),
+                                 ("kl_mean_crude_control", "k:", "cruder tokenwise part, same residual")):
+        rows = primary.filter(pl.col(column).is_not_null())
+        if len(rows):
+            ax.plot(rows["layer"].to_numpy(), rows[column].to_numpy(), style, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean KL, nats")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    return fig
+
+
+# Comparison panels: (column of layer_summary, title, log scale)
+COMPARISON_PANELS = (
+    ("rel_err_median", "median relative error", False),
+    ("cos_full_tok_median", "median cos(Δ_full, Δ_tok), update form", False),
+    ("cos_full_tok_map_median", "median cos(y, T(x)), map form", False),
+    ("frac_res_angle_gt60", "share of residual angles > 60°", False),
+    ("proj_res_m16", "projection energy of r, top-16", False),
+    ("kl_mean", "mean KL with r removed", True),
+    ("spearman_relerr_kl", "Spearman(relative error, KL)", False),
+)
+
+
+def comparison_curves(summary: pl.DataFrame, title: str) -> Figure:
+    """Side-by-side per-layer curves of several models against normalised depth, one line per
+    model (its best class). `summary` has layer_summary columns plus `depth` in [0, 1]."""
+    fig, axes = plt.subplots(2, 4, figsize=(17, 7.5), constrained_layout=True)
+    models = summary["model"].unique(maintain_order=True).to_list()
+    cmap = plt.get_cmap("tab10")
+    for ax, (column, panel_title, log) in zip(axes.flat, COMPARISON_PANELS):
+        for i, model in enumerate(models):
+            rows = summary.filter(pl.col("model") == model).sort("depth")
+            if rows[column].null_count() == len(rows):
+                continue
+            ax.plot(rows["depth"].to_numpy(), rows[column].cast(pl.Float64).to_numpy(), "o-", ms=3,
+                    color=cmap(i % 10), label=f"{model} ({rows['fn_class'][0]})")
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(panel_title, fontsize=10)
+        ax.set_xlabel("normalised depth (layer / (L - 1))")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    axes.flat[-1].axis("off")
+    fig.suptitle(title)
+    return fig
+
+
+def depth_layers(layers: list[int]) -> list[int]:
+    """An early, a middle and a late layer among those present (fewer if there are fewer layers)."""
+    layers = sorted(set(layers))
+    if len(layers) <= 3:
+        return layers
+    n = layers[-1] + 1
+    picks = []
+    for target in (n / 6, n / 2, 5 * n / 6):
+        best = min(layers, key=lambda layer: abs(layer - target))
+        if best not in picks:
+            picks.append(best)
+    return picks
+
+
+def _depth_labels(layers: list[int]) -> list[tuple[str, int]]:
+    names = ["early", "middle", "late"] if len(layers) == 3 else [""] * len(layers)
+    return list(zip(names, layers))
