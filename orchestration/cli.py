@@ -322,6 +322,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     records += bench.bench_knn(cap.states[1:].reshape(-1, lm.d_model), cfg.k, args.ann_n)
     records.append(bench.bench_perturbation(lm, sample.input_ids, cap.states, cfg.patch_batch))
     del cap
+    ns = tuple(int(n) for n in args.scaling_n.split(","))
+    scaling, scaling_records = bench.bench_scaling(ns, (288, 576, 1152), lm.d_model, args.scaling_d_at, cfg)
+    records += scaling_records
     with tempfile.TemporaryDirectory() as tmp:
         t_a, rss_a = _pipeline_run("0-2", Path(tmp) / "a", Path(tmp) / "home")
         t_b, rss_b = _pipeline_run("0-5", Path(tmp) / "b", Path(tmp) / "home")
@@ -332,9 +335,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     records.append(bench.Record("pipeline_end_to_end_s", t_all, "s", None, None, "<= 480 s", t_all <= 480,
                                 f"extrapolated to {lm.n_layers} layers from runs of 3 ({t_a:.0f} s) and 6 ({t_b:.0f} s) "
                                 f"layers; early layers are the costliest to patch, so this overestimates"))
+    print(bench.scaling_table(scaling))
+    print()
     print(bench.table(records))
     path = root / "bench" / "bench.json"
-    bench.write_json(records, path, device="cpu")
+    bench.write_json(records, path, device="cpu", scaling=scaling)
     print(f"\nwritten {path}")
     return 0
 
@@ -392,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("--data-root")
     bench_cmd.add_argument("--ann-n", type=int, default=50000,
                            help="size of the approximate-index benchmark (the issue's target is at 200000)")
+    bench_cmd.add_argument("--scaling-n", default="2048,8192,32768", help="token counts of the scaling sweep")
+    bench_cmd.add_argument("--scaling-d-at", type=int, default=4096, help="N at which d is varied (288, 576, 1152)")
     bench_cmd.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)

@@ -54,3 +54,19 @@ def test_lowrank_loop_reference_agrees_with_the_batched_fit() -> None:
     fast = fit_lowrank(torch.tensor(X[None]), torch.tensor(Y[None]), torch.tensor(xa[None]),
                        FitParams(rank=3, ridge=1e-2)).tx.numpy()[0]
     np.testing.assert_allclose(bench.reference_lowrank_loop(X, Y, xa, 3, 1e-2), fast, rtol=1e-6, atol=1e-8)
+
+
+def test_scaling_sweep_rows_and_linearity_record(tmp_path: Path) -> None:
+    cfg = AnalysisConfig(k=8, rank=2, subspace_ms=(1, 4))
+    rows, records = bench.bench_scaling((256, 1024), (16, 32), d_at=32, n_at=512, cfg=cfg)
+    stages = {"neighbours (exact)", "fit lowrank f64", "geometry"}
+    assert {(r.stage, r.n, r.d) for r in rows} == {(s, n, d) for s in stages for n, d in
+                                                   ((256, 32), (1024, 32), (512, 16), (512, 32))}
+    assert all(r.seconds > 0 for r in rows)
+    (record,) = records
+    fit = {r.n: r.seconds for r in rows if r.stage == "fit lowrank f64" and r.d == 32}
+    assert abs(record.value - np.log(fit[1024] / fit[256]) / np.log(4)) < 1e-9
+    assert record.met == (record.value <= 1.1)
+    bench.write_json(records, tmp_path / "bench.json", device="cpu", scaling=rows)
+    assert len(json.loads((tmp_path / "scaling.json").read_text())) == len(rows)
+    assert "us/token" in bench.scaling_table(rows)
