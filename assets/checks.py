@@ -39,6 +39,7 @@ class CheckSettings(dg.Config):
     max_best_rel_err_median: float = 1.0  # the best class must explain part of the update
     min_tokens_spearman: int = 20  # Spearman must be defined (and in [-1, 1]) with this many tokens
     identity_kl_tol: float = 1e-6  # KL of the identity patch (patched = true state)
+    identity_sequences: int = 2  # sequences patched with their own state, per layer
 
 
 @dataclass(frozen=True)
@@ -321,8 +322,8 @@ def check_functional(fm: pa.Table, summary: pa.Table, settings: CheckSettings) -
 
 def check_identity_patch(lm: LoadedModel, data: LayerData, orig: OutputReference, batch: int,
                          returns_tuple: bool, settings: CheckSettings) -> Verdict:
-    """Patch block l's output with its own true value on one batch: the KL must be 0."""
-    n = min(batch, len(data.input_ids))
+    """Patch block l's output with its own true value on a few sequences: the KL must be 0."""
+    n = min(settings.identity_sequences, len(data.input_ids))
     kl = patched_kl(lm, data.input_ids[:n], data.layer, [Variant("identity", "-", data.y_full[:n])],
                     orig.select(slice(0, n)), batch, returns_tuple)[0]
     verdict = Verdict()

@@ -15,7 +15,7 @@ from orchestration.partitions import MODEL_LAYER, model_keys
 from orchestration.resources import AnalysisSettings, UpdateLensResource
 from orchestration.runner import dagster_yaml, materialize_model
 from orchestration.schedules import stale_partitions_schedule
-from orchestration.sensors import model_registry_sensor
+from orchestration.sensors import model_registry_sensor, reports_after_analysis
 from storage.layout import delete_partition
 
 SETTINGS = dict(n_seq=6, seq_len=16, k=8, rank=2)
@@ -49,6 +49,7 @@ def test_sensor_adds_partitions_and_requests_each_new_model_once(zoo: Path, lens
     assert [r.tags[ASSET_PARTITION_RANGE_START_TAG] for r in first.run_requests] == ["tiny-gpt2:00"]
     assert first.run_requests[0].tags[ASSET_PARTITION_RANGE_END_TAG] == "tiny-gpt2:02"
     assert instance.get_dynamic_partitions(MODEL_LAYER.name) == model_keys("tiny-gpt2", 3)
+    assert instance.get_dynamic_partitions("models") == ["tiny-gpt2"]  # the report's and sweep's key
 
     again = tick(instance, lens, first.cursor)  # no change: nothing requested (daemon restart too)
     assert not again.run_requests and again.cursor == first.cursor
@@ -65,9 +66,18 @@ def test_sensor_adds_partitions_and_requests_each_new_model_once(zoo: Path, lens
 
 def test_sensor_adds_but_does_not_rerun_an_up_to_date_model(lens: UpdateLensResource) -> None:
     instance = dg.DagsterInstance.ephemeral()
-    assert materialize_model("tiny-gpt2", lens, instance).success
+    run = materialize_model("tiny-gpt2", lens, instance)
+    assert run.success
     result = tick(instance, lens, None)
     assert not result.run_requests
+    # after a successful analysis, the model's report and the comparison are requested
+    context = dg.build_run_status_sensor_context(sensor_name="reports_after_analysis", dagster_instance=instance,
+                                                 dagster_run=run.dagster_run,
+                                                 dagster_event=run.get_run_success_event())
+    requests = reports_after_analysis(context)
+    assert [(r.job_name, r.partition_key) for r in requests] == [("build_report", "tiny-gpt2"),
+                                                                 ("build_comparison", None)]
+    assert "tiny-gpt2" in instance.get_dynamic_partitions("models")
 
 
 def test_schedule_requests_only_stale_partitions(zoo: Path, lens: UpdateLensResource) -> None:
