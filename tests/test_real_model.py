@@ -41,14 +41,6 @@ def test_smollm2_capture_and_identity_patch(smollm2) -> None:
     for layer in (0, 15, 29):
         kl = patched_kl(smollm2, sample.input_ids, layer, [Variant("identity", "-", cap.states[layer + 1])], orig, 2)[0]
         assert kl.max() < 1e-5
-    # the fast KL (from the head's input) equals the reference (full log-softmaxes) on a real patch
-    assert orig.fast
-    noisy = cap.states[16] * (1 + 0.05 * np.random.default_rng(0).standard_normal(cap.states[16].shape))
-    fast = patched_kl(smollm2, sample.input_ids, 15, [Variant("patch", "-", noisy)], orig, 2)[0]
-    slow = patched_kl(smollm2, sample.input_ids, 15, [Variant("patch", "-", noisy)],
-                      original_log_probs(smollm2, sample.input_ids, 2, fast=False), 2)[0]
-    assert fast.mean() > 1e-3
-    np.testing.assert_allclose(fast, slow, rtol=1e-3, atol=1e-6)
 
 
 def test_smollm2_lowrank_explains_more_than_diagonal_in_middle_layers(smollm2) -> None:

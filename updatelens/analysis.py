@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 
 from updatelens import CODE_VERSION
 from updatelens.capture import Captured, capture, kept_mask
@@ -30,7 +31,6 @@ from updatelens.geometry import (
 from updatelens.models import LoadedModel
 from updatelens.neighbours import knn
 from updatelens.perturbation import (
-    OutputReference,
     Variant,
     original_log_probs,
     patched_kl,
@@ -264,16 +264,16 @@ def single_positions(data: LayerData, per_seq: int, seed: int) -> np.ndarray:
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
-def functional_tables(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig: OutputReference,
+def functional_tables(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig_logp: torch.Tensor,
                       cfg: AnalysisConfig, prov: Provenance, returns_tuple: bool = False) -> tuple[pa.Table, pa.Table]:
     variants = build_variants(data, fits, cfg)
     if cfg.patch_mode == "all":
-        kls = patched_kl(lm, data.input_ids, data.layer, variants, orig, cfg.patch_batch, returns_tuple)
+        kls = patched_kl(lm, data.input_ids, data.layer, variants, orig_logp, cfg.patch_batch, returns_tuple)
         measured = data.kept
     else:
         positions = single_positions(data, cfg.single_positions, cfg.seed)
         kls = single_position_kl(lm, data.input_ids, data.layer, variants, data.y_full, positions,
-                                 orig, cfg.patch_batch, returns_tuple)
+                                 orig_logp, cfg.patch_batch, returns_tuple)
         measured = np.zeros_like(data.kept)
         measured[positions[:, 0], positions[:, 1]] = True
     seq_idx, pos_idx = np.nonzero(measured)

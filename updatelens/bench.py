@@ -233,7 +233,7 @@ def scaling_table(rows: list[ScalingRow]) -> str:
 # ---- 4. output perturbation ---------------------------------------------------------------------
 def bench_perturbation(lm: LoadedModel, ids: np.ndarray, states: np.ndarray, batch: int) -> Record:
     orig = original_log_probs(lm, ids, batch)
-    t_full = timeit(lambda: original_log_probs(lm, ids, batch, fast=False), reps=2)  # plain forward + log-softmax
+    t_full = timeit(lambda: original_log_probs(lm, ids, batch), reps=2)
     start = time.perf_counter()
     for layer in range(lm.n_layers):
         patched_kl(lm, ids, layer, [Variant("patch", "-", states[layer + 1])], orig, batch)
