@@ -64,7 +64,9 @@ def knn(x: np.ndarray, groups: np.ndarray, k: int, metric: str = "cosine_centere
     v, faiss_metric = prepare(x, metric)
     faiss_index = build_index(v, faiss_metric, index, seed)
     if index == "hnsw":
-        faiss_index.hnsw.efSearch = max(64, 2 * (k + extra))
+        # measured on SmolLM2 states at N = 200k, k = 64: efSearch 2(k+1) gives recall@k 0.954 (8.0x
+        # faster than exact), 3(k+1) 0.967 (7.1x), 4(k+1) 0.974 (6.1x); 3x keeps a margin over 0.95
+        faiss_index.hnsw.efSearch = max(64, 3 * (k + extra))
     search_k = min(n, k + extra)
     _, found = faiss_index.search(v, search_k)
     rows = np.arange(n)[:, None]

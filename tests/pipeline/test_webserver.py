@@ -76,7 +76,12 @@ def webserver(tmp_path_factory: pytest.TempPathFactory):
 
 def test_assets_partitions_and_checks_appear_in_graphql(webserver: int) -> None:
     nodes = {tuple(n["assetKey"]["path"]): n for n in graphql(webserver, QUERY)["data"]["assetNodes"]}
-    assert set(nodes) == {("activations",), ("local_fits",), ("residuals",), ("geometry",), ("functional_metrics",)}
+    per_model = {("report",), ("convention_sweep",), ("comparison_report",)}
+    assert set(nodes) == {("activations",), ("local_fits",), ("residuals",), ("geometry",), ("functional_metrics",),
+                          *per_model}
+    assert nodes[("report",)]["partitionDefinition"] == {"type": "DYNAMIC", "name": "models"}
+    assert [c["name"] for c in nodes[("report",)]["assetChecksOrError"]["checks"]] == ["report_complete"]
+    nodes = {key: node for key, node in nodes.items() if key not in per_model}
     for node in nodes.values():
         assert node["partitionDefinition"] == {"type": "DYNAMIC", "name": "model_layer"}
         assert node["partitionKeys"] == model_keys("smollm2-135m", 30)
