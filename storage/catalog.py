@@ -72,7 +72,7 @@ FUNCTIONAL_COLUMNS = ("kl_mean", "kl_median", "spearman_relerr_kl", "spearman_no
 ALTERNATIVE_MEASURES = (
     ("1 map", "1", "alignment form", "map: cos(y, T(x))", "update: cos(y - x, T(x) - x)"),
     ("2 angle vs tok", "2 angle", "angle reference", "against Δ_tok", "against Δ_full"),
-    ("4 norm", "4", "error measure", "||r||", "relative error"),
+    ("4 norm", "4", "error measure", "‖r‖", "relative error"),
 )
 
 # The paper's findings (METHOD.md), each measured per (model, config, class), with the threshold

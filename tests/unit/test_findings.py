@@ -124,7 +124,7 @@ def test_sensitivity_against_hand_computation(tmp_path: Path) -> None:
         assert row["flips"] == (row["holds"] != row["baseline_holds"])
     # the measurement conventions re-measure a finding on the baseline
     assert by_key[("1", "alignment form", "map: cos(y, T(x))")]["value"] == pytest.approx(hand_base["1 map"])
-    assert by_key[("4", "error measure", "||r||")]["value"] == pytest.approx(hand_base["4 norm"])
+    assert by_key[("4", "error measure", "‖r‖")]["value"] == pytest.approx(hand_base["4 norm"])
     assert by_key[("2 angle", "angle reference", "against Δ_tok")]["value"] == pytest.approx(hand_base["2 angle vs tok"])
     # the class convention: every class of the baseline configuration
     for fn_class in CLASSES:
