@@ -239,10 +239,20 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _peak_rss_gib() -> float:
-    """High-water mark of this process (the run executes in-process); ru_maxrss is KiB on Linux."""
+    """High-water mark of this process's memory (the run executes in-process).
+
+    VmHWM belongs to the process image: unlike ru_maxrss, it does not carry over the RSS of the
+    parent it was forked from (a subprocess of a large process, like the bench's pipeline runs,
+    would otherwise report the parent's size)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB
+    except OSError:
+        pass
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def cmd_sql(args: argparse.Namespace) -> int:

@@ -70,3 +70,15 @@ def test_scaling_sweep_rows_and_linearity_record(tmp_path: Path) -> None:
     bench.write_json(records, tmp_path / "bench.json", device="cpu", scaling=rows)
     assert len(json.loads((tmp_path / "scaling.json").read_text())) == len(rows)
     assert "us/token" in bench.scaling_table(rows)
+
+
+def test_peak_memory_of_a_subprocess_excludes_its_parent() -> None:
+    """ru_maxrss survives fork + exec (a child of the bench would report the bench's own size);
+    the figure the CLI prints must be the child's own high-water mark."""
+    import subprocess
+    import sys
+
+    parent = np.ones(400 * 2**20 // 8)  # 400 MiB resident in this process
+    code = "from orchestration.cli import _peak_rss_gib; print(_peak_rss_gib())"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert parent.sum() > 0 and child < 0.3
