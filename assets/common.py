@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,17 +106,22 @@ def stage_asset(description: str, kinds: set[str], deps: tuple[object, ...] = ()
     return wrap
 
 
-def partition_table_md(per_partition: dict[str, dict[str, object]]) -> str:
-    """A markdown table, one row per partition written in the run."""
-    columns = list(dict.fromkeys(c for figures in per_partition.values() for c in figures))
+def md_table(columns: list[str], rows: Iterable[Iterable[object]]) -> str:
+    """A markdown table for asset metadata (floats to 4 significant digits, None blank)."""
 
     def cell(value: object) -> str:
         return f"{value:.4g}" if isinstance(value, float) else str(value if value is not None else "")
 
-    lines = ["| partition | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    lines += [f"| {key} | " + " | ".join(cell(figures.get(c)) for c in columns) + " |"
-              for key, figures in per_partition.items()]
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def partition_table_md(per_partition: dict[str, dict[str, object]]) -> str:
+    """A markdown table, one row per partition written in the run."""
+    columns = list(dict.fromkeys(c for figures in per_partition.values() for c in figures))
+    return md_table(["partition", *columns],
+                    ([key, *(figures.get(c) for c in columns)] for key, figures in per_partition.items()))
 
 
 def each_model(context: dg.AssetExecutionContext, root: Path) -> Iterator[tuple[str, list[int]]]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 
+from assets.common import md_table
 from assets.functional_metrics import functional_metrics
 from orchestration.partitions import MODELS
 from orchestration.resources import UpdateLensResource
@@ -38,6 +39,7 @@ from updatelens.sweep import (
     run_record,
     spread_layers,
     sweep,
+    sweep_baseline,
     sweep_runs,
 )
 
@@ -47,12 +49,7 @@ REPORT_CHECK = dg.AssetCheckSpec("report_complete", asset="report",
 
 
 def _md_table(frame: pl.DataFrame) -> str:
-    def cell(value: object) -> str:
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-    lines = ["| " + " | ".join(frame.columns) + " |", "|---" * len(frame.columns) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.iter_rows()]
-    return "\n".join(lines)
+    return md_table(frame.columns, frame.iter_rows())
 
 
 def _report_metadata(report: Report, captions: dict[str, str]) -> dict[str, object]:
@@ -138,9 +135,7 @@ class SweepConfig(dg.Config):
 def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource, config: SweepConfig) -> dg.MaterializeResult:
     model = context.partition_key
     lm = lens.load(model)
-    base = lens.config()
-    if not config.with_controls:
-        base = base.replace(controls=())
+    base = sweep_baseline(lens.config(), config.with_controls)
     runs = sweep_runs(base, parse_grid(config.grid), d_model=lm.d_model, max_positions=lm.max_positions)
     layers = config.layers or spread_layers(lm.n_layers, config.n_layers)
     bad = [layer for layer in layers if not 0 <= layer < lm.n_layers]

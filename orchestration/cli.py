@@ -201,7 +201,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     )
     from storage import catalog
     from updatelens.errors import UpdateLensError
-    from updatelens.sweep import DEFAULT_GRID, parse_grid, sweep_runs
+    from updatelens.sweep import DEFAULT_GRID, parse_grid, sweep_baseline, sweep_runs
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["DAGSTER_HOME"] = str(project_dagster_home())
@@ -214,10 +214,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         sweep_config["with_controls"] = True
     try:
         lens = _lens_from(args)
-        base = lens.config()
-        if not args.with_controls:
-            base = base.replace(controls=())
-        runs = sweep_runs(base, parse_grid(str(sweep_config["grid"])))
+        runs = sweep_runs(sweep_baseline(lens.config(), args.with_controls), parse_grid(str(sweep_config["grid"])))
         check_inputs(args.model, lens, _parse_layers(args.layers))
     except (UpdateLensError, ValueError, OSError) as exc:
         print(f"updatelens sweep: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import polars as pl
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 CLASS_COLOURS = {"diagonal": "tab:blue", "psd_diagonal": "tab:cyan", "lowrank": "tab:red",
@@ -69,49 +70,55 @@ def layer_curves(summary: pl.DataFrame, ranks: pl.DataFrame, title: str) -> Figu
     return fig
 
 
+def _per_layer_panels(rows: pl.DataFrame, layers: list[int], height: float, title: str
+                      ) -> tuple[Figure, list[tuple[Axes, pl.DataFrame]]]:
+    """One panel per chosen layer (titled early/middle/late when there are three), with its rows."""
+    fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), height), constrained_layout=True, squeeze=False)
+    names = ["early", "middle", "late"] if len(layers) == 3 else [""] * len(layers)
+    panels = []
+    for ax, name, layer in zip(axes.flat, names, layers):
+        ax.set_title(f"{name} layer {layer}", fontsize=10)
+        panels.append((ax, rows.filter(pl.col("layer") == layer)))
+    fig.suptitle(title)
+    return fig, panels
+
+
 def angle_histograms(angles: pl.DataFrame, layers: list[int], title: str) -> Figure:
     """Histograms of angle(Δ_full, r) for chosen layers; `angles` has (layer, fn_class, angle_full_res)."""
-    fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), 3.6), constrained_layout=True, squeeze=False)
+    fig, panels = _per_layer_panels(angles, layers, 3.6, title)
     bins = np.linspace(0, 180, 37)
-    for ax, (label, layer) in zip(axes.flat, _depth_labels(layers)):
-        part = angles.filter(pl.col("layer") == layer)
+    for ax, part in panels:
         for fn_class in part["fn_class"].unique(maintain_order=True).to_list():
             values = part.filter(pl.col("fn_class") == fn_class)["angle_full_res"].to_numpy()
             ax.hist(values, bins=bins, histtype="step", lw=1.5, color=_colour(fn_class),
                     label=f"{fn_class} ({np.mean(values > 60):.0%} > 60°)")
         ax.axvline(60, color="k", ls="--", lw=0.8)
-        ax.set_title(f"{label} layer {layer}", fontsize=10)
         ax.set_xlabel("angle(Δ_full, r), degrees")
         ax.set_ylabel("tokens")
         ax.legend(fontsize=8)
-    fig.suptitle(title)
     return fig
 
 
 def error_vs_kl(points: pl.DataFrame, layers: list[int], title: str) -> Figure:
     """Scatter of relative error against KL per token; `points` has (layer, fn_class, rel_err, kl)."""
-    fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), 3.8), constrained_layout=True, squeeze=False)
-    for ax, (label, layer) in zip(axes.flat, _depth_labels(layers)):
-        part = points.filter(pl.col("layer") == layer)
+    fig, panels = _per_layer_panels(points, layers, 3.8, title)
+    for ax, part in panels:
         for fn_class in part["fn_class"].unique(maintain_order=True).to_list():
             rows = part.filter(pl.col("fn_class") == fn_class)
             ax.scatter(rows["rel_err"].to_numpy(), np.maximum(rows["kl"].to_numpy(), 1e-8), s=3, alpha=0.35,
                        color=_colour(fn_class), label=fn_class, rasterized=True)
         ax.set_yscale("log")
-        ax.set_title(f"{label} layer {layer}", fontsize=10)
         ax.set_xlabel("relative error ||r|| / ||Δ_full||")
         ax.set_ylabel("KL(p || p_patched), nats")
         ax.legend(fontsize=8, markerscale=4)
-    fig.suptitle(title)
     return fig
 
 
 def energy_curves(spectra: pl.DataFrame, layers: list[int], title: str) -> Figure:
     """Cumulative singular-value energy of Δ_full, Δ_tok and r; `spectra` has
     (layer, fn_class, which, idx, cum_energy)."""
-    fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), 3.8), constrained_layout=True, squeeze=False)
-    for ax, (label, layer) in zip(axes.flat, _depth_labels(layers)):
-        part = spectra.filter(pl.col("layer") == layer)
+    fig, panels = _per_layer_panels(spectra, layers, 3.8, title)
+    for ax, part in panels:
         for fn_class in part["fn_class"].unique(maintain_order=True).to_list():
             for which, (name, style) in WHICH_STYLES.items():
                 rows = part.filter((pl.col("fn_class") == fn_class) & (pl.col("which") == which)).sort("idx")
@@ -120,11 +127,9 @@ def energy_curves(spectra: pl.DataFrame, layers: list[int], title: str) -> Figur
         ax.axhline(0.9, color="k", ls="--", lw=0.6)
         ax.set_xscale("log")
         ax.set_ylim(0, 1.02)
-        ax.set_title(f"{label} layer {layer}", fontsize=10)
         ax.set_xlabel("number of singular directions")
         ax.set_ylabel("cumulative energy")
         ax.legend(fontsize=7)
-    fig.suptitle(title)
     return fig
 
 
@@ -199,8 +204,3 @@ def depth_layers(layers: list[int]) -> list[int]:
         if best not in picks:
             picks.append(best)
     return picks
-
-
-def _depth_labels(layers: list[int]) -> list[tuple[str, int]]:
-    names = ["early", "middle", "late"] if len(layers) == 3 else [""] * len(layers)
-    return list(zip(names, layers))

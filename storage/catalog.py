@@ -78,12 +78,16 @@ ALTERNATIVE_MEASURES = (
 # The paper's findings (METHOD.md), each measured per (model, config, class), with the threshold
 # that decides whether it holds. Plain SQL over layer_summary and spectra, so a reader can see how
 # every figure is derived. `findings` keeps the class with the lowest median relative error.
-FINDINGS_BY_CLASS_SQL = """
-CREATE OR REPLACE VIEW {name} AS
-WITH per_class AS (
+# Each class's median over layers of its median relative error: picks the best class (findings)
+# and measures finding 5.
+PER_CLASS_CTE = """per_class AS (
     SELECT model, config_id, fn_class, median(rel_err_median) AS err
     FROM {layer_summary} GROUP BY model, config_id, fn_class
-), b AS (
+)"""
+
+FINDINGS_BY_CLASS_SQL = """
+CREATE OR REPLACE VIEW {name} AS
+WITH {per_class}, b AS (
     SELECT ls.*, max(ls.layer) OVER (PARTITION BY ls.model, ls.config_id) + 1 AS n_layers FROM {layer_summary} ls
 ), ranks AS (
     SELECT model, config_id, fn_class,
@@ -156,10 +160,7 @@ ORDER BY model, config_id, f.fn_class, f.finding
 
 FINDINGS_SQL = """
 CREATE OR REPLACE VIEW {name} AS
-WITH per_class AS (
-    SELECT model, config_id, fn_class, median(rel_err_median) AS err
-    FROM {layer_summary} GROUP BY model, config_id, fn_class
-), best AS (
+WITH {per_class}, best AS (
     SELECT model, config_id, arg_min(fn_class, err) AS fn_class FROM per_class GROUP BY model, config_id
 )
 SELECT f.* FROM {by_class} f JOIN best USING (model, config_id, fn_class)
@@ -207,18 +208,20 @@ def catalog_path(root: Path) -> Path:
     return Path(root) / CATALOG_FILE
 
 
+def _parquet_view(name: str, pattern: str, hive_types: str, select: str = "*") -> str:
+    pattern = pattern.replace("'", "''")
+    return (f"CREATE OR REPLACE VIEW {name} AS SELECT {select} FROM read_parquet('{pattern}', "
+            f"hive_partitioning = true, union_by_name = true, hive_types = {{{hive_types}}})")
+
+
 def view_sql(root: Path, table: str) -> str:
-    pattern = glob_pattern(root, table).replace("'", "''")
-    return (f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM read_parquet('{pattern}', "
-            f"hive_partitioning = true, union_by_name = true, "
-            f"hive_types = {{'model': VARCHAR, 'layer': INTEGER}})")
+    return _parquet_view(table, glob_pattern(root, table), "'model': VARCHAR, 'layer': INTEGER")
 
 
 def sweep_view_sql(root: Path, table: str) -> str:
-    pattern = sweep_glob_pattern(root, table).replace("'", "''")
-    return (f"CREATE OR REPLACE VIEW sweep_{table} AS SELECT * EXCLUDE (config) FROM read_parquet('{pattern}', "
-            f"hive_partitioning = true, union_by_name = true, "
-            f"hive_types = {{'config': VARCHAR, 'model': VARCHAR, 'layer': INTEGER}})")
+    # rows carry config_id already; the folder's `config=` key is dropped
+    return _parquet_view(f"sweep_{table}", sweep_glob_pattern(root, table),
+                         "'config': VARCHAR, 'model': VARCHAR, 'layer': INTEGER", select="* EXCLUDE (config)")
 
 
 def layer_summary_sql(has_functional: bool, prefix: str = "") -> str:
@@ -235,7 +238,8 @@ def layer_summary_sql(has_functional: bool, prefix: str = "") -> str:
 
 
 def findings_sql(prefix: str = "") -> list[str]:
-    names = {"layer_summary": f"{prefix}layer_summary", "spectra": f"{prefix}spectra"}
+    names = {"layer_summary": f"{prefix}layer_summary", "spectra": f"{prefix}spectra",
+             "per_class": PER_CLASS_CTE.format(layer_summary=f"{prefix}layer_summary")}
     return [FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", **names),
             FINDINGS_SQL.format(name=f"{prefix}findings", by_class=f"{prefix}findings_by_class", **names)]
 

@@ -68,6 +68,12 @@ def parse_grid(text: str) -> dict[str, list[object]]:
     return grid
 
 
+def sweep_baseline(cfg: AnalysisConfig, with_controls: bool) -> AnalysisConfig:
+    """The configuration a sweep varies around: `cfg`, without its controls unless asked (two
+    patched forwards per layer and configuration)."""
+    return cfg if with_controls else cfg.replace(controls=())
+
+
 def sweep_runs(base: AnalysisConfig, grid: Mapping[str, Sequence[object]], d_model: int | None = None,
                max_positions: int | None = None) -> list[SweepRun]:
     """The baseline and one configuration per (key, value) of the grid, each validated up front."""
