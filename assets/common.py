@@ -8,12 +8,13 @@ from pathlib import Path
 
 import dagster as dg
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from assets import checks
+from orchestration.deployments import step_tags
 from orchestration.partitions import MODEL_LAYER, group_keys
 from storage import catalog
-from storage.layout import model_lock, read_partition, write_partition
+from storage.layout import partition_locks, read_file, read_partition, write_partition
+from storage.location import url
 from updatelens import CODE_VERSION
 from updatelens.analysis import LayerData, fits_from_table, layer_data
 from updatelens.config import AnalysisConfig
@@ -73,13 +74,13 @@ class Written:
 
     def add(self, root: Path, name: str, model: str, layer: int, table: pa.Table) -> pa.Table:
         """Write a partition and return it as read back from disk: checks validate the file."""
-        path = write_partition(root, name, model, layer, table)
+        path = url(write_partition(root, name, model, layer, table))
         self.rows[name] = self.rows.get(name, 0) + len(table)
-        self.paths.append(str(path))
+        self.paths.append(path)
         figures = self.per_partition.setdefault(f"{model}:{layer:02d}", {})
         figures[f"rows_{name}"] = len(table)
-        figures.setdefault("parquet_path", str(path))
-        return pq.read_table(path)
+        figures.setdefault("parquet_path", path)
+        return read_file(path)
 
     def note(self, model: str, layer: int, **figures: object) -> None:
         self.per_partition.setdefault(f"{model}:{layer:02d}", {}).update(figures)
@@ -87,7 +88,8 @@ class Written:
 
 def stage_asset(description: str, kinds: set[str], deps: tuple[object, ...] = (), pool: str | None = None):
     """The settings every stage shares: (model, layer) partitions, single-run backfills (a model's
-    key range runs in one process), the engine's code version, and the stage's checks."""
+    key range runs in one process), the engine's code version, the stage's checks, and where its
+    step may run (the `model` pool's steps go to GPU workers: orchestration.deployments)."""
 
     def wrap(fn):  # noqa: ANN001, ANN202 - a decorator
         return dg.asset(
@@ -99,6 +101,7 @@ def stage_asset(description: str, kinds: set[str], deps: tuple[object, ...] = ()
             kinds=kinds,
             deps=list(deps),
             pool=pool,
+            op_tags=step_tags(needs_model=pool == "model"),
             check_specs=checks.specs(fn.__name__),
             description=description,
         )(fn)
@@ -125,10 +128,10 @@ def partition_table_md(per_partition: dict[str, dict[str, object]]) -> str:
 
 
 def each_model(context: dg.AssetExecutionContext, root: Path) -> Iterator[tuple[str, list[int]]]:
-    """(model, layers) of this run, each under the model's lock: concurrent runs on the same
-    model are serialised step by step; runs on different models proceed in parallel."""
+    """(model, layers) of this run, under the locks of those partitions: concurrent runs writing
+    the same partitions are serialised step by step; other layers and models proceed in parallel."""
     for model, layers in group_keys(context.partition_keys).items():
-        with model_lock(root, model):
+        with partition_locks(root, model, layers):
             yield model, layers
 
 
@@ -136,7 +139,7 @@ def finish(root: Path, cfg: AnalysisConfig, written: Written, extra: dict[str, o
            check_results: list[dg.AssetCheckResult] | None = None) -> dg.MaterializeResult:
     catalog.refresh(root)
     # one partition: its file; several: the table folder they live under
-    where = written.paths[0] if len(written.per_partition) == 1 else str(Path(written.paths[0]).parents[2])
+    where = written.paths[0] if len(written.per_partition) == 1 else written.paths[0].rsplit("/", 3)[0]
     metadata: dict[str, object] = {
         "config_id": cfg.config_id,
         "code_version": CODE_VERSION,

@@ -7,7 +7,6 @@ its config id (`<data root>/sweeps/config=<id>/...`), which the `sensitivity` vi
 
 import base64
 import json
-from pathlib import Path
 
 import dagster as dg
 import polars as pl
@@ -24,6 +23,7 @@ from reports.build import (
     build_model_report,
 )
 from storage import catalog
+from storage.location import url
 from storage.layout import (
     SWEEP_TABLES,
     clear_sweeps,
@@ -141,7 +141,7 @@ def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource
     bad = [layer for layer in layers if not 0 <= layer < lm.n_layers]
     if bad:
         raise ValueError(f"{model} has {lm.n_layers} layers; no layer {bad}")
-    root = Path(lens.root)
+    root = lens.root
 
     def write(run, layer: int, tables: dict) -> None:
         for table in SWEEP_TABLES:
@@ -159,7 +159,7 @@ def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource
         "configs": len(runs),
         "layers": ", ".join(map(str, layers)),
         "config_ids": ", ".join(f"{r.convention}={r.setting}: {r.config.config_id}" for r in runs),
-        "sweeps_path": dg.MetadataValue.path(str(root / "sweeps")),
+        "sweeps_path": dg.MetadataValue.path(url(root / "sweeps")),
         "verdicts_flipped": int(sensitivity["flips"].sum()),
         "sensitivity": dg.MetadataValue.md(_md_table(sensitivity)),
     })

@@ -12,10 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from orchestration.partitions import model_keys
-from storage.layout import partition_file
+from storage.layout import partition_file, read_file
 from updatelens.registry import ModelEntry, load_models
 
 
@@ -47,7 +45,7 @@ def partition_state(root: Path, model: str, layer: int) -> tuple[str, str] | Non
     path = partition_file(root, LAST_TABLE, model, layer)
     if not path.exists():
         return None
-    table = pq.read_table(path, columns=["config_id", "code_version"])
+    table = read_file(path).select(["config_id", "code_version"])
     if len(table) == 0:
         return None
     return table["config_id"][0].as_py(), table["code_version"][0].as_py()

@@ -15,7 +15,10 @@ import dagster as dg
 import pydantic
 import torch
 
+from upath import UPath
+
 from assets.checks import CheckSettings
+from storage.location import as_root
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample, make_sample
 from updatelens.models import LoadedModel, load_model
@@ -58,8 +61,9 @@ class UpdateLensResource(dg.ConfigurableResource):
     checks: CheckSettings = pydantic.Field(default_factory=CheckSettings)
 
     @property
-    def root(self) -> Path:
-        return Path(self.data_root)
+    def root(self) -> UPath:
+        """A local folder or an object-store URL (storage.location)."""
+        return as_root(self.data_root)
 
     def config(self) -> AnalysisConfig:
         return AnalysisConfig.from_dict(self.analysis.model_dump())  # type: ignore[attr-defined]

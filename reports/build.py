@@ -18,10 +18,12 @@ import duckdb
 import matplotlib.pyplot as plt
 import polars as pl
 from matplotlib.figure import Figure
+from upath import UPath
 
 from reports import figures as fig
 from storage import catalog
 from storage.layout import publish_dir
+from storage.location import as_root
 from updatelens.errors import UpdateLensError
 
 REPORTS = "reports"
@@ -55,7 +57,7 @@ class ReportError(UpdateLensError):
 @dataclass
 class Report:
     title: str
-    directory: Path
+    directory: UPath
     figures: dict[str, Path]
     findings: pl.DataFrame
     sensitivity: pl.DataFrame | None = None
@@ -63,12 +65,12 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def index(self) -> Path:
+    def index(self) -> UPath:
         return self.directory / "index.html"
 
 
-def reports_root(root: Path) -> Path:
-    return Path(root) / REPORTS
+def reports_root(root: str | Path) -> UPath:
+    return as_root(root) / REPORTS
 
 
 def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: list[object] | None = None) -> pl.DataFrame:
@@ -168,7 +170,7 @@ def sensitivity_pivot(sensitivity: pl.DataFrame) -> pl.DataFrame:
 
 def build_model_report(root: Path, model: str) -> Report:
     """Regenerate `<root>/reports/<model>/` from the stored tables; raises ReportError if absent."""
-    root = Path(root)
+    root = as_root(root)
     with catalog.connect(root) as con:
         views = _views(con)
         missing = {"layer_summary", "findings", "functional_metrics", "spectra"} - views
@@ -261,7 +263,7 @@ def findings_pivot(findings: pl.DataFrame) -> pl.DataFrame:
 
 def build_comparison(root: Path) -> Report:
     """`<root>/reports/_comparison/`: every model with results, side by side on normalised depth."""
-    root = Path(root)
+    root = as_root(root)
     with catalog.connect(root) as con:
         if "findings" not in _views(con):
             raise ReportError(f"no complete results are stored under {root}; materialize a model first")

@@ -6,6 +6,11 @@ their own tables (`sweep_geometry`, ...) with the same derived views prefixed `s
 `sensitivity` shows how each finding moves with each convention.
 Views are rebuilt after each materialization (and by `updatelens sql`), so they always cover
 the partitions on disk; a view is created only for a table that has files.
+
+On an object-store root (s3://...) DuckDB reads the Parquet through the root's fsspec filesystem,
+registered on each connection (DuckDB's httpfs extension would need a download); the catalog file
+is then not written (its views would only open where that filesystem is registered):
+`connect()` / `query()` / `updatelens sql` build the views in memory instead.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from storage.layout import (
     sweep_glob_pattern,
     sweep_runs_pattern,
 )
+from storage.location import as_root, is_local
 
 CATALOG_FILE = "updatelens.duckdb"
 
@@ -204,8 +210,10 @@ ORDER BY rows.model, rows.finding, rows.convention, rows.setting
 """
 
 
-def catalog_path(root: Path) -> Path:
-    return Path(root) / CATALOG_FILE
+def catalog_path(root: str | Path) -> Path | None:
+    """The DuckDB file with the views, for a local root; None on an object store."""
+    root = as_root(root)
+    return Path(root) / CATALOG_FILE if is_local(root) else None
 
 
 def _parquet_view(name: str, pattern: str, hive_types: str, select: str = "*") -> str:
@@ -269,9 +277,11 @@ def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: st
     return views
 
 
-def create_views(con: duckdb.DuckDBPyConnection, root: Path) -> list[str]:
+def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
     """(Re)create on `con` the views of every table with files; drop the others."""
-    root = Path(root)
+    root = as_root(root)
+    if not is_local(root):
+        con.register_filesystem(root.fs)
     present = {t for t in TABLES if has_files(root, t)}
     swept = {t for t in SWEEP_TABLES if has_sweep_files(root, t)}
     for table in TABLES:
@@ -299,9 +309,12 @@ def create_views(con: duckdb.DuckDBPyConnection, root: Path) -> list[str]:
     return views
 
 
-def refresh(root: Path, db_path: Path | None = None) -> list[str]:
-    """Rebuild the catalog file's views; returns the view names."""
-    db_path = db_path or catalog_path(Path(root))
+def refresh(root: str | Path, db_path: Path | None = None) -> list[str]:
+    """Rebuild the catalog file's views; returns the view names (object store: checked in memory)."""
+    db_path = db_path or catalog_path(root)
+    if db_path is None:
+        with duckdb.connect() as con:
+            return create_views(con, root)
     db_path.parent.mkdir(parents=True, exist_ok=True)
     # One writer at a time: DuckDB allows a single read-write process per database file.
     with open(db_path.with_suffix(".lock"), "w") as lock:
@@ -310,14 +323,14 @@ def refresh(root: Path, db_path: Path | None = None) -> list[str]:
             return create_views(con, root)
 
 
-def connect(root: Path) -> duckdb.DuckDBPyConnection:
+def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
     """An in-memory connection with the catalog's views: never blocked by a writer's file lock."""
     con = duckdb.connect()
     create_views(con, root)
     return con
 
 
-def query(root: Path, sql: str) -> pl.DataFrame:
+def query(root: str | Path, sql: str) -> pl.DataFrame:
     """Run SQL over the stored tables; returns a polars frame (empty for statements without rows)."""
     with connect(root) as con:
         rel = con.sql(sql)

@@ -1,25 +1,41 @@
 """Hive layout `<root>/<table>/model=<slug>/layer=<l>/part-0.parquet`, written atomically.
 
-A partition is written whole into `<root>/_staging/<uuid>/`, then swapped into place with two
-renames on the same filesystem (old -> staging, new -> final). A reader globbing
+The root is a local folder or an object-store URL (storage.location); this module is the one
+place that writes, lists or deletes under it.
+
+Local root: a partition is written whole into `<root>/_staging/<uuid>/`, then swapped into place
+with two renames on the same filesystem (old -> staging, new -> final). A reader globbing
 `<root>/<table>/*/*/*.parquet` therefore sees either the old partition or the new one, never a
 mix or a truncated file; a crash between the renames leaves the partition absent (and the next
 run redoes it), never half-written.
+
+Object store: there is no rename, but a single object is atomic (a PUT or a server-side COPY
+becomes visible whole or not at all). A partition is one object: it is written to a local temp
+file, uploaded to a temporary key `<root>/_staging/<uuid>/...`, then committed by a server-side
+copy onto its final key, so readers see the old object or the new one; the temporary key is
+removed after. A folder of several files (a report) is committed file by file with its entry
+file (`index.html`, self-contained) last.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import signal
+import tempfile
+import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from upath import UPath
+
+from storage.location import as_root, is_local, url
 
 # Every table the pipeline writes, by the asset that writes it.
 TABLES_BY_ASSET: dict[str, tuple[str, ...]] = {
@@ -37,13 +53,18 @@ ROW_GROUP_ROWS = 8192
 # Fault injection for the crash tests: SIGKILL this process in the middle of writing a partition of
 # this table (after its first row group reached the staging file, before the rename).
 KILL_MID_WRITE_ENV = "UPDATELENS_FAULT_KILL_MID_WRITE"
+# Files committed last when a folder is published to an object store (readers open these first).
+ENTRY_FILES = ("index.html", PART_FILE, "run.parquet")
+# Object-store staging keys older than this are from a crashed writer (no pid to ask there).
+STALE_STAGING_S = 3600.0
+LOCK_DIR_ENV = "UPDATELENS_LOCK_DIR"
 
 
-def partition_dir(root: Path, table: str, model: str, layer: int) -> Path:
-    return Path(root) / table / f"model={model}" / f"layer={layer}"
+def partition_dir(root: str | Path, table: str, model: str, layer: int) -> UPath:
+    return as_root(root) / table / f"model={model}" / f"layer={layer}"
 
 
-def partition_file(root: Path, table: str, model: str, layer: int) -> Path:
+def partition_file(root: str | Path, table: str, model: str, layer: int) -> UPath:
     return partition_dir(root, table, model, layer) / PART_FILE
 
 
@@ -55,9 +76,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _staging_dir(root: Path) -> Path:
+def _staging_dir(root: UPath) -> UPath:
     # the pid lets a later run tell an abandoned staging dir (its writer is dead) from a live one
-    return Path(root) / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}"
+    return root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}"
 
 
 def _write_parquet(table: pa.Table, path: Path, table_name: str) -> None:
@@ -71,10 +92,12 @@ def _write_parquet(table: pa.Table, path: Path, table_name: str) -> None:
         os.fsync(f.fileno())
 
 
-def publish_dir(root: Path, final: Path, fill: Callable[[Path], None]) -> Path:
-    """Build a directory with `fill(staging)` under `<root>/_staging`, then swap it into `final`
-    with two renames: readers see the old directory or the new one, never a half-written one."""
-    root = Path(root)
+def publish_dir(root: str | Path, final: str | Path, fill: Callable[[Path], None]) -> UPath:
+    """Build a directory with `fill(staging)` (a local folder), then make it `final` whole: readers
+    see the old directory or the new one, never a half-written file (module docstring)."""
+    root, final = as_root(root), as_root(final)
+    if not is_local(root):
+        return _publish_remote(root, final, fill)
     staging = _staging_dir(root)
     staging.mkdir(parents=True)
     try:
@@ -94,17 +117,71 @@ def publish_dir(root: Path, final: Path, fill: Callable[[Path], None]) -> Path:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def write_partition(root: Path, table_name: str, model: str, layer: int, table: pa.Table) -> Path:
+def _publish_remote(root: UPath, final: UPath, fill: Callable[[Path], None]) -> UPath:
+    fs = root.fs
+    staging = _staging_dir(root)
+    with tempfile.TemporaryDirectory(prefix="updatelens-publish-") as tmp:
+        fill(Path(tmp))
+        names = sorted((p.relative_to(tmp).as_posix() for p in Path(tmp).rglob("*") if p.is_file()),
+                       key=lambda name: (name in ENTRY_FILES, name))
+        try:
+            for name in names:  # upload to temporary keys: nothing under `final` changes yet
+                fs.put_file(str(Path(tmp) / name), (staging / name).path)
+            for name in names:  # commit: one server-side copy per object, the entry file last
+                fs.copy((staging / name).path, (final / name).path)
+            new = {(final / name).path for name in names}
+            stale = [key for key in _find(final) if key not in new]
+            if stale:  # what the previous version had and this one lacks
+                fs.rm(stale)
+        finally:
+            if _find(staging):
+                fs.rm(staging.path, recursive=True)
+    return final
+
+
+def _find(path: UPath) -> list[str]:
+    """Every object key under `path` on an object store ([] when there is none)."""
+    fs = path.fs
+    fs.invalidate_cache()
+    return list(fs.find(path.path))
+
+
+def read_file(path: str | Path) -> pa.Table:
+    """Read one Parquet file of the store (local path or object URL)."""
+    path = as_root(path)
+    if is_local(path):
+        return pq.read_table(path)
+    return pq.read_table(path.path, filesystem=path.fs)
+
+
+def write_partition(root: str | Path, table_name: str, model: str, layer: int, table: pa.Table) -> UPath:
     """Replace one partition whole; returns the final file path."""
     final = partition_dir(root, table_name, model, layer)
     publish_dir(root, final, lambda staging: _write_parquet(table, staging / PART_FILE, table_name))
     return final / PART_FILE
 
 
-def clean_abandoned_staging(root: Path) -> list[str]:
-    """Remove staging dirs whose writer process is gone (a crash mid-write); returns their names."""
+def clean_abandoned_staging(root: str | Path) -> list[str]:
+    """Remove staging dirs left by a crashed writer: locally those whose process is gone, on an
+    object store those older than STALE_STAGING_S. Returns their names."""
+    root = as_root(root)
     removed = []
-    for entry in (Path(root) / STAGING).glob("*"):
+    if not is_local(root):
+        fs = root.fs
+        staging = root / STAGING
+        fs.invalidate_cache()
+        newest: dict[str, float] = {}
+        for key, info in fs.find(staging.path, detail=True).items():
+            name = key[len(staging.path) + 1:].split("/", 1)[0]
+            modified = info.get("LastModified")
+            stamp = modified.timestamp() if modified is not None else time.time()
+            newest[name] = max(newest.get(name, 0.0), stamp)
+        for name, stamp in newest.items():
+            if time.time() - stamp > STALE_STAGING_S:
+                fs.rm((staging / name).path, recursive=True)
+                removed.append(name)
+        return removed
+    for entry in (root / STAGING).glob("*"):
         pid = entry.name.split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
@@ -122,10 +199,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def lock_dir(root: str | Path) -> Path:
+    """Lock files: `<root>/_locks` for a local root; for an object store a local folder per root
+    ($UPDATELENS_LOCK_DIR or the temp dir), which serialises the processes of one host only:
+    across hosts, single-object commits keep every partition whole (last writer wins)."""
+    root = as_root(root)
+    if is_local(root):
+        return Path(root) / LOCKS
+    base = Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "updatelens-locks")
+    return base / hashlib.sha1(url(root).encode()).hexdigest()[:16]
+
+
 @contextmanager
-def model_lock(root: Path, model: str) -> Iterator[None]:
-    """Serialise the steps of concurrent runs on the same model (different models run in parallel)."""
-    path = Path(root) / LOCKS / f"{model}.lock"
+def _flock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -135,35 +221,68 @@ def model_lock(root: Path, model: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def read_partition(root: Path, table_name: str, model: str, layer: int) -> pa.Table:
+@contextmanager
+def model_lock(root: str | Path, model: str) -> Iterator[None]:
+    """Serialise whole-model operations (a convention sweep replacing the model's sweep)."""
+    with _flock(lock_dir(root) / f"{model}.lock"):
+        yield
+
+
+@contextmanager
+def partition_locks(root: str | Path, model: str, layers: Iterable[int]) -> Iterator[None]:
+    """Serialise the steps of concurrent runs that write the same (model, layer) partitions; runs
+    on other layers or models proceed in parallel. Taken in layer order, so never deadlocks."""
+    with ExitStack() as stack:
+        for layer in sorted(set(layers)):
+            stack.enter_context(_flock(lock_dir(root) / f"{model}.layer={layer}.lock"))
+        yield
+
+
+def read_partition(root: str | Path, table_name: str, model: str, layer: int) -> pa.Table:
     path = partition_file(root, table_name, model, layer)
     if not path.exists():
         raise FileNotFoundError(f"{table_name} for model={model} layer={layer} is not materialized "
-                                f"({path}); materialize the upstream asset first")
-    return pq.read_table(path)
+                                f"({url(path)}); materialize the upstream asset first")
+    return read_file(path)
 
 
-def _remove_dir(root: Path, path: Path) -> bool:
-    """Rename a directory out of sight, then delete it; False if it was not there."""
+def _remove_dir(root: UPath, path: UPath) -> bool:
+    """Locally: rename a directory out of sight, then delete it. On an object store: delete its
+    objects (each a whole partition file). False if it was not there."""
+    if not is_local(root):
+        keys = _find(path)
+        if keys:
+            root.fs.rm(keys)
+        return bool(keys)
     if not path.exists():
         return False
-    trash = Path(root) / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
+    trash = root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
     trash.parent.mkdir(parents=True, exist_ok=True)
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
     return True
 
 
-def delete_partition(root: Path, table_name: str, model: str, layer: int) -> None:
-    _remove_dir(root, partition_dir(root, table_name, model, layer))
+def delete_partition(root: str | Path, table_name: str, model: str, layer: int) -> None:
+    _remove_dir(as_root(root), partition_dir(root, table_name, model, layer))
 
 
-def has_files(root: Path, table_name: str) -> bool:
-    return any((Path(root) / table_name).glob(f"model=*/layer=*/{PART_FILE}"))
+def _any(base: UPath, pattern: str) -> bool:
+    if not is_local(base):
+        base.fs.invalidate_cache()
+    return any(base.glob(pattern))
 
 
-def glob_pattern(root: Path, table_name: str) -> str:
-    return str(Path(root).resolve() / table_name / "model=*" / "layer=*" / "*.parquet")
+def has_files(root: str | Path, table_name: str) -> bool:
+    return _any(as_root(root) / table_name, f"model=*/layer=*/{PART_FILE}")
+
+
+def has_model(root: str | Path, table_name: str, model: str) -> bool:
+    return _any(as_root(root) / table_name / f"model={model}", f"layer=*/{PART_FILE}")
+
+
+def glob_pattern(root: str | Path, table_name: str) -> str:
+    return url(as_root(root) / table_name) + "/model=*/layer=*/*.parquet"
 
 
 # ---- convention sweeps --------------------------------------------------------------------------
@@ -177,38 +296,42 @@ SWEEP_TABLES: tuple[str, ...] = ("geometry", "spectra", "functional_metrics", "f
 SWEEP_RUN_FILE = "run.parquet"
 
 
-def sweep_root(root: Path, config_id: str) -> Path:
-    return Path(root) / SWEEPS / f"config={config_id}"
+def sweep_root(root: str | Path, config_id: str) -> UPath:
+    return as_root(root) / SWEEPS / f"config={config_id}"
 
 
-def sweep_glob_pattern(root: Path, table_name: str) -> str:
-    return str(Path(root).resolve() / SWEEPS / "config=*" / table_name / "model=*" / "layer=*" / "*.parquet")
+def sweep_glob_pattern(root: str | Path, table_name: str) -> str:
+    return url(as_root(root) / SWEEPS) + f"/config=*/{table_name}/model=*/layer=*/*.parquet"
 
 
-def has_sweep_files(root: Path, table_name: str) -> bool:
-    return any((Path(root) / SWEEPS).glob(f"config=*/{table_name}/model=*/layer=*/{PART_FILE}"))
+def has_sweep_files(root: str | Path, table_name: str) -> bool:
+    return _any(as_root(root) / SWEEPS, f"config=*/{table_name}/model=*/layer=*/{PART_FILE}")
 
 
-def sweep_runs_dir(root: Path, model: str) -> Path:
-    return Path(root) / SWEEPS / "runs" / f"model={model}"
+def sweep_runs_dir(root: str | Path, model: str) -> UPath:
+    return as_root(root) / SWEEPS / "runs" / f"model={model}"
 
 
-def sweep_runs_pattern(root: Path) -> str:
-    return str(Path(root).resolve() / SWEEPS / "runs" / "model=*" / "config=*" / SWEEP_RUN_FILE)
+def sweep_runs_pattern(root: str | Path) -> str:
+    return url(as_root(root) / SWEEPS / "runs") + f"/model=*/config=*/{SWEEP_RUN_FILE}"
 
 
-def has_sweep_runs(root: Path) -> bool:
-    return any((Path(root) / SWEEPS / "runs").glob(f"model=*/config=*/{SWEEP_RUN_FILE}"))
+def has_sweep_runs(root: str | Path) -> bool:
+    return _any(as_root(root) / SWEEPS / "runs", f"model=*/config=*/{SWEEP_RUN_FILE}")
 
 
-def write_sweep_run(root: Path, model: str, config_id: str, record: pa.Table) -> Path:
+def write_sweep_run(root: str | Path, model: str, config_id: str, record: pa.Table) -> UPath:
     final = sweep_runs_dir(root, model) / f"config={config_id}"
     publish_dir(root, final, lambda staging: _write_parquet(record, staging / SWEEP_RUN_FILE, "sweep_runs"))
     return final / SWEEP_RUN_FILE
 
 
-def clear_sweeps(root: Path, model: str) -> int:
+def clear_sweeps(root: str | Path, model: str) -> int:
     """Remove a model's sweep records and partitions (a rerun of its sweep replaces it whole);
     returns how many directories went. Records go first, so no half-removed config is listed."""
-    dirs = [sweep_runs_dir(root, model), *sorted((Path(root) / SWEEPS).glob(f"config=*/*/model={model}"))]
+    root = as_root(root)
+    sweeps = root / SWEEPS
+    if not is_local(root):
+        root.fs.invalidate_cache()
+    dirs = [sweep_runs_dir(root, model), *sorted(sweeps.glob(f"config=*/*/model={model}"), key=str)]
     return sum(_remove_dir(root, path) for path in dirs)

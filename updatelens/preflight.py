@@ -7,6 +7,7 @@ no weights are loaded, so a bad input fails in seconds instead of after a model 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import tempfile
@@ -73,7 +74,12 @@ def estimate_bytes(cfg: AnalysisConfig, n_layers: int, d_model: int) -> int:
     return tokens * n_layers * d_model * BYTES_PER_VALUE * vectors_per_token
 
 
-def check_data_root(root: Path, bytes_needed: int = 0) -> None:
+def check_data_root(root: Path | str, bytes_needed: int = 0) -> None:
+    """The data root is writable and (locally) has room: checked before any heavy work."""
+    if "://" in str(root) and not str(root).startswith("file://"):
+        _check_object_root(root)
+        return
+    root = Path(str(root).removeprefix("file://"))
     try:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=root, prefix=".write-test-"):
@@ -85,6 +91,20 @@ def check_data_root(root: Path, bytes_needed: int = 0) -> None:
     if bytes_needed and free < 1.2 * bytes_needed:
         raise UpdateLensError(f"data root {root} has {free / 2**30:.2f} GiB free, the run needs about "
                               f"{bytes_needed / 2**30:.2f} GiB (+20 %); free space or choose another data root")
+
+
+def _check_object_root(root: object) -> None:
+    """An object-store root (a storage.location UPath or URL): write and delete a probe object."""
+    from upath import UPath
+
+    path = root if isinstance(root, UPath) else UPath(str(root))
+    probe = path / "_staging" / f".write-test-{os.getpid()}"
+    try:
+        probe.fs.pipe_file(probe.path, b"ok")
+        probe.fs.rm_file(probe.path)
+    except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own types
+        raise UpdateLensError(f"data root {root} is not writable ({type(exc).__name__}: {exc}); check the bucket, "
+                              f"the credentials and the endpoint (AWS_ENDPOINT_URL for a local S3 server)") from exc
 
 
 def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_root: Path,
@@ -106,6 +126,6 @@ def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_
         raise ModelError(f"model {entry.slug!r}: no usable tokenizer at {source}: {exc}") from exc
     sample = make_sample(corpus, tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset)
     needed = estimate_bytes(cfg, layers or n_layers, d_model)
-    check_data_root(Path(data_root), needed)
+    check_data_root(data_root, needed)
     return Preflight(n_layers=n_layers, d_model=d_model, max_positions=int(max_pos) if max_pos else None,
                      sample=sample, bytes_needed=needed)

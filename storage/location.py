@@ -1,0 +1,71 @@
+"""Where the data root lives: a local folder or an object-store URL (`s3://bucket/prefix`, ...).
+
+Every path the storage layer builds is a universal-pathlib `UPath`: for a local root it is a
+`pathlib.Path` subclass (so the local code path is plain POSIX), for a URL it goes through the
+URL's fsspec filesystem. Credentials and the endpoint come from the usual environment of that
+filesystem (for S3: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`,
+`AWS_DEFAULT_REGION`), or from `UPDATELENS_STORAGE_OPTIONS` (a JSON object passed to fsspec),
+so every worker of a cluster builds the same filesystem from its environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from pathlib import Path
+
+import fsspec
+from upath import UPath
+
+from updatelens.errors import ConfigError
+
+STORAGE_OPTIONS_ENV = "UPDATELENS_STORAGE_OPTIONS"
+# The listing cache of an object-store filesystem would hide what other workers wrote.
+_DEFAULT_OPTIONS: dict[str, dict[str, object]] = {"s3": {"use_listings_cache": False}}
+
+
+def is_url(root: str | os.PathLike[str]) -> bool:
+    text = str(root)
+    return "://" in text and not text.startswith("file://")
+
+
+def storage_options(protocol: str) -> dict[str, object]:
+    options = dict(_DEFAULT_OPTIONS.get(protocol, {}))
+    raw = os.environ.get(STORAGE_OPTIONS_ENV)
+    if raw:
+        try:
+            extra = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{STORAGE_OPTIONS_ENV} is not valid JSON: {exc}") from exc
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{STORAGE_OPTIONS_ENV} must be a JSON object, got {type(extra).__name__}")
+        options.update(extra)
+    return options
+
+
+def as_root(root: str | os.PathLike[str]) -> UPath:
+    """A data root (or any path under it) as a UPath: local paths absolute, URLs with their options."""
+    if isinstance(root, UPath):
+        return root
+    text = str(root)
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    if not is_url(text):
+        return UPath(Path(text).resolve())
+    protocol = text.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(f"data root {text}: no filesystem for {protocol}:// ({exc}); install its fsspec "
+                          f"implementation (s3fs for s3://)") from exc
+    return UPath(text, **storage_options(protocol))
+
+
+def is_local(path: str | os.PathLike[str]) -> bool:
+    return isinstance(as_root(path), pathlib.Path)
+
+
+def url(path: UPath) -> str:
+    """What DuckDB and people see: an absolute local path or the full URL."""
+    return str(path)
