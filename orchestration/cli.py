@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from storage.layout import has_files, has_model
+from storage.location import is_url
+
 if TYPE_CHECKING:
     import dagster as dg
 
@@ -68,9 +71,11 @@ def _print_frame(frame: object) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     import dagster as dg
 
+    from orchestration.deployments import PROFILE_ENV, active_profile
     from orchestration.runner import (
         check_inputs,
         contiguous_ranges,
+        materialize_layers_distributed,
         materialize_model,
         project_dagster_home,
         stale_layers,
@@ -81,6 +86,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["DAGSTER_HOME"] = str(project_dagster_home())
     try:
+        profile = active_profile(args.profile)
+        os.environ[PROFILE_ENV] = profile.name  # the run processes and their workers build the same executor
         lens = _lens_from(args)
         cfg = lens.config()
         cfg.validate()
@@ -100,30 +107,54 @@ def cmd_run(args: argparse.Namespace) -> int:
     todo = wanted if args.force else stale_layers(lens, args.model, wanted)
     if not todo:
         print("every requested partition is up to date (same code version and config); --force recomputes")
-    results = []
+    checks: list[tuple[str, bool, str]] = []  # (asset.check, passed, description)
+    failures: list[str] = []
     with dg.DagsterInstance.get() as instance:  # entering makes it the current instance for Dagster
-        for layer_range in contiguous_ranges(todo):
+        if profile.per_layer_runs and todo:
+            print(f"profile {profile.name}: one run per layer for {len(todo)} layers, {args.max_runs} at a time",
+                  flush=True)
+            for run in materialize_layers_distributed(args.model, lens, instance, todo, args.max_runs, report=report):
+                checks += [(f"{name} (layer {run.layer})", passed, text) for name, passed, text in run.checks]
+                where = ", ".join(f"{step}@{host}" for step, host in run.workers.items())
+                print(f"  layer {run.layer}: run {run.run_id} {'ok' if run.success else 'FAILED'}"
+                      + (f"; steps ran on {where}" if where else ""))
+                failures += [f"layer {run.layer}: {run.failure}"] if not run.success else []
+        for layer_range in contiguous_ranges(todo) if not profile.per_layer_runs else []:
             print(f"running layers {layer_range[0]}-{layer_range[-1]}", flush=True)
-            results.append(materialize_model(args.model, lens, instance, layers=layer_range, log_level="INFO",
-                                             raise_on_error=False, report=report))
+            result = materialize_model(args.model, lens, instance, layers=layer_range, log_level="INFO",
+                                       raise_on_error=False, report=report)
+            checks += [(f"{e.asset_key.to_user_string()}.{e.check_name}", e.passed, e.description or "")
+                       for e in result.get_asset_check_evaluations()]
+            failures += [_failure(result)] if not result.success else []
     wall = time.perf_counter() - start
     peak = _peak_rss_gib()
-    if results:
+    if checks:
         print("\nData-quality checks:")
-    for result in results:
-        for evaluation in result.get_asset_check_evaluations():
-            status = "passed" if evaluation.passed else "FAILED"
-            detail = f" - {evaluation.description}" if evaluation.description else ""
-            print(f"  {evaluation.asset_key.to_user_string()}.{evaluation.check_name}: {status}{detail}")
-    for result in results:
-        if not result.success:
-            print(f"updatelens run: the run failed: {_failure(result)}", file=sys.stderr)
-            return 1
+    for name, passed, text in checks:
+        print(f"  {name}: {'passed' if passed else 'FAILED'}" + (f" - {text}" if text else ""))
+    if failures:
+        print(f"updatelens run: the run failed: {failures[0]}", file=sys.stderr)
+        return 1
     print(f"\nPer-layer summary ({args.model}, config {cfg.config_id}; SQL view layer_summary):")
     _print_frame(catalog.query(lens.root, SUMMARY_SQL.format(model=args.model, config_id=cfg.config_id)))
-    print(f"\npipeline wall time {wall:.1f} s, peak RSS {peak:.2f} GiB; catalog {catalog.catalog_path(lens.root)}")
+    print(f"\npipeline wall time {wall:.1f} s, peak RSS {peak:.2f} GiB; catalog {catalog.catalog_path(lens.root) or 'in memory (updatelens sql)'}")
     with dg.DagsterInstance.get() as instance:
         return _reports([args.model], lens, instance)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """A Celery worker for the `celery` profile (replaces this process)."""
+    import socket
+
+    os.environ["UPDATELENS_PROFILE"] = "celery"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    name = args.name or f"{args.queues.replace(',', '-')}-{os.getpid()}@{socket.gethostname()}"
+    cmd = ["celery", "-A", "orchestration.celery_app", "worker", "-Q", args.queues, "-n", name,
+           "--prefetch-multiplier", "1", "-l", args.loglevel]
+    cmd += ["--pool", "solo"] if args.concurrency == 1 else ["--concurrency", str(args.concurrency)]
+    print(" ".join(cmd), flush=True)
+    os.execvp(cmd[0], cmd)
+    return 0  # not reached
 
 
 def _failure(result: dg.ExecuteInJobResult) -> str:
@@ -161,7 +192,7 @@ def _lens_from(args: argparse.Namespace) -> UpdateLensResource:
     if getattr(args, "corpus", None):
         kwargs["corpus"] = args.corpus
     if args.data_root:
-        kwargs["data_root"] = str(Path(args.data_root).resolve())
+        kwargs["data_root"] = args.data_root if is_url(args.data_root) else str(Path(args.data_root).resolve())
     if getattr(args, "registry", None):
         kwargs["registry"] = str(Path(args.registry).resolve())
     return UpdateLensResource(analysis=AnalysisSettings(**_settings(args)), **kwargs)
@@ -177,7 +208,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     os.environ["DAGSTER_HOME"] = str(project_dagster_home())
     lens = _lens_from(args)
     stored = catalog.query(lens.root, "SELECT DISTINCT model FROM layer_summary ORDER BY model") \
-        if (Path(lens.root) / "geometry").exists() else None
+        if has_files(lens.root, "geometry") else None
     available = stored["model"].to_list() if stored is not None else []
     models = [args.model] if args.model else available
     missing = [m for m in models if m not in available]
@@ -231,7 +262,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         _print_frame(catalog.query(lens.root, f"SELECT finding, convention, setting, fn_class, round(value, 3) AS value, "
                                               f"holds, round(delta, 3) AS delta, flips FROM sensitivity "
                                               f"WHERE model = '{args.model}' ORDER BY finding, convention, setting"))
-        has_main = (Path(lens.root) / "geometry" / f"model={args.model}").exists()
+        has_main = has_model(lens.root, "geometry", args.model)
         return _reports([args.model], lens, instance) if has_main else 0
 
 
@@ -258,7 +289,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     from orchestration.resources import default_data_root
     from storage import catalog
 
-    root = Path(args.data_root or default_data_root())
+    root = args.data_root or default_data_root()
     try:
         frame = catalog.query(root, args.query)
     except duckdb.Error as exc:
@@ -316,6 +347,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from updatelens.registry import get_corpus, get_model
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if is_url(args.data_root or default_data_root()):
+        print("updatelens bench: the bench writes to a local data root; pass --data-root PATH", file=sys.stderr)
+        return 2
     root = Path(args.data_root or default_data_root())
     cfg = AnalysisConfig()
     lm = load_model(get_model("smollm2-135m"))
@@ -370,7 +404,22 @@ def main(argv: list[str] | None = None) -> int:
                      help="any AnalysisConfig field, e.g. --set exclusion=self --set controls='[\"random\"]'")
     run.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
     run.add_argument("--registry", help="default: $UPDATELENS_REGISTRY or registry/registry.toml")
+    run.add_argument("--profile", choices=["local", "celery", "k8s"],
+                     help="deployment profile (default: $UPDATELENS_PROFILE or local); celery/k8s run one "
+                          "run per layer on the cluster's workers")
+    run.add_argument("--max-runs", dest="max_runs", type=int, default=4,
+                     help="per-layer runs in flight at once (celery/k8s profiles)")
     run.set_defaults(func=cmd_run)
+
+    worker = sub.add_parser("worker", help="start a Celery worker for the celery profile (broker: "
+                                           "$UPDATELENS_CELERY_BROKER, default redis://127.0.0.1:6379/0)")
+    worker.add_argument("--queues", default="gpu,cpu",
+                        help="comma-separated: gpu (steps that load the model), cpu (fits, residuals, geometry)")
+    worker.add_argument("--name", help="worker name (default: <queues>-<pid>@<host>)")
+    worker.add_argument("--concurrency", type=int, default=1,
+                        help="steps at once (1: the solo pool, one model in memory)")
+    worker.add_argument("--loglevel", default="INFO")
+    worker.set_defaults(func=cmd_worker)
 
     sql = sub.add_parser("sql", help="run SQL over the stored tables and print the result")
     sql.add_argument("query")

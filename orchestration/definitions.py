@@ -10,6 +10,7 @@ from assets.geometry import geometry
 from assets.local_fits import local_fits
 from assets.reports import comparison_report, convention_sweep, report
 from assets.residuals import residuals
+from orchestration.deployments import Profile, active_profile, executor_for
 from orchestration.jobs import JOBS
 from orchestration.resources import UpdateLensResource
 from orchestration.schedules import stale_partitions_schedule
@@ -18,10 +19,17 @@ from orchestration.sensors import model_registry_sensor, reports_after_analysis
 ASSETS = [activations, local_fits, residuals, geometry, functional_metrics]  # per (model, layer)
 PER_MODEL_ASSETS = [report, convention_sweep, comparison_report]
 
-defs = dg.Definitions(
-    assets=[*ASSETS, *PER_MODEL_ASSETS],
-    jobs=JOBS,
-    sensors=[model_registry_sensor, reports_after_analysis],
-    schedules=[stale_partitions_schedule],
-    resources={"lens": UpdateLensResource()},
-)
+
+
+def build_defs(profile: Profile) -> dg.Definitions:
+    return dg.Definitions(
+        assets=[*ASSETS, *PER_MODEL_ASSETS],
+        jobs=JOBS,
+        sensors=[model_registry_sensor, reports_after_analysis],
+        schedules=[stale_partitions_schedule],
+        resources={"lens": UpdateLensResource()},
+        executor=executor_for(profile),
+    )
+
+
+defs = build_defs(active_profile())  # $UPDATELENS_PROFILE: local, celery or k8s

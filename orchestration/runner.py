@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
 
 from assets.reports import comparison_report, convention_sweep, report
 from orchestration.definitions import ASSETS
+from orchestration.deployments import active_profile
 from orchestration.partitions import (
     MODEL_LAYER,
     MODELS,
@@ -116,6 +120,90 @@ def materialize_model(model: str, lens: UpdateLensResource, instance: dg.Dagster
         run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
         raise_on_error=raise_on_error,
     )
+
+
+def analyse_job() -> dg.JobDefinition:
+    """The `analyse` job under the profile of $UPDATELENS_PROFILE, as a reconstructable target: a
+    distributed executor ships this pointer (module + function) to its workers, which build the
+    same definitions from the same environment."""
+    from orchestration.definitions import build_defs
+
+    return build_defs(active_profile()).resolve_job_def("analyse")
+
+
+def lens_run_config(lens: UpdateLensResource, log_level: str = "INFO") -> dict[str, object]:
+    """The resource as run config: a run executed elsewhere rebuilds it from the stored run."""
+    return {
+        "resources": {"lens": {"config": {
+            "data_root": lens.data_root, "registry": lens.registry, "corpus": lens.corpus,
+            "analysis": lens.analysis.model_dump(), "checks": lens.checks.model_dump(),
+        }}},
+        "loggers": {"console": {"config": {"log_level": log_level}}},
+    }
+
+
+@dataclass
+class LayerRun:
+    """What one (model, layer) run of the distributed path did."""
+
+    layer: int
+    run_id: str
+    success: bool
+    checks: list[tuple[str, bool, str]]  # (asset.check, passed, description)
+    workers: dict[str, str]  # step key -> the Celery worker that executed it (celery profile)
+    failure: str = ""
+
+
+def _layer_run(key: str, layer: int, run_config: dict[str, object]) -> LayerRun:
+    """One (model, layer) run, in its own process (like a run launcher's run worker): the executor
+    loop submits the steps and waits for them; the instance comes from $DAGSTER_HOME."""
+    job = dg.reconstructable(analyse_job)
+    with dg.DagsterInstance.get() as instance, \
+            dg.execute_job(job, instance=instance, run_config=run_config, tags={"dagster/partition": key},
+                           raise_on_error=False) as result:
+        checks = [(f"{e.asset_key.to_user_string()}.{e.check_name}", e.passed, e.description or "")
+                  for e in result.get_asset_check_evaluations()]
+        failure = ""
+        if not result.success:
+            failures = [e for e in result.all_events if e.is_failure]
+            failure = str(failures[0].message) if failures else "run failed"
+        return LayerRun(layer=layer, run_id=result.run_id, success=result.success, checks=checks,
+                        workers=step_workers(instance, result.run_id), failure=failure)
+
+
+def step_workers(instance: dg.DagsterInstance, run_id: str) -> dict[str, str]:
+    """Step key -> the worker host that ran it, from the Celery executor's engine events."""
+    out: dict[str, str] = {}
+    for record in instance.all_logs(run_id):
+        event = record.dagster_event
+        if event is None or not event.is_engine_event or not record.step_key:
+            continue
+        data = event.engine_event_data.metadata if event.engine_event_data else {}
+        worker = data.get("Celery worker")
+        if worker is not None:
+            out[record.step_key] = str(worker.value)
+    return out
+
+
+def materialize_layers_distributed(model: str, lens: UpdateLensResource, instance: dg.DagsterInstance,
+                                   layers: Sequence[int] | None = None, max_runs: int = 4,
+                                   log_level: str = "INFO", report: Preflight | None = None) -> list[LayerRun]:
+    """One run per (model, layer) partition, `max_runs` at a time, each executed by the code
+    location's executor ($UPDATELENS_PROFILE: the celery or k8s executor sends every step to a
+    worker). Each run's executor loop runs in its own spawned process (threads sharing one
+    instance deadlocked here). Needs the persistent instance of $DAGSTER_HOME, which the workers
+    share: `instance` must be it."""
+    report = report or check_inputs(model, lens, layers)
+    keys = register_model(instance, model, report.n_layers)
+    register_model_key(instance, model)
+    chosen = list(range(report.n_layers)) if layers is None else sorted(set(layers))
+    if instance.is_ephemeral:
+        raise ConfigError("a distributed run needs a persistent Dagster instance (set DAGSTER_HOME)")
+    run_config = lens_run_config(lens, log_level)
+    with ProcessPoolExecutor(max_workers=max(1, min(max_runs, len(chosen))),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_layer_run, keys[layer], layer, run_config) for layer in chosen]
+        return [future.result() for future in futures]
 
 
 def materialize_reports(models: Sequence[str], lens: UpdateLensResource, instance: dg.DagsterInstance,

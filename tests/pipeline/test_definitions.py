@@ -50,3 +50,36 @@ def test_jobs_and_resources() -> None:
     assert {s.name for s in defs.sensors} == {"model_registry_sensor", "reports_after_analysis"}
     lens = defs.resources["lens"]
     assert lens.config().classes == ("diagonal", "lowrank")
+
+
+# Where each stage's step may run: model steps on GPU workers, the others anywhere.
+QUEUES = {"activations": "gpu", "local_fits": "cpu", "residuals": "cpu", "geometry": "cpu",
+          "functional_metrics": "gpu"}
+
+
+def test_deployment_profiles_select_the_executor_and_route_steps(monkeypatch) -> None:  # noqa: ANN001
+    import json
+
+    import pytest
+
+    from orchestration.definitions import build_defs
+    from orchestration.deployments import active_profile
+    from orchestration.runner import analyse_job
+    from updatelens.errors import ConfigError
+
+    expected = {"local": "multiprocess", "celery": "celery", "k8s": "k8s"}
+    for name, executor in expected.items():
+        job = build_defs(active_profile(name)).resolve_job_def("analyse")
+        assert job.executor_def.name == executor, name
+    monkeypatch.setenv("UPDATELENS_PROFILE", "celery")
+    assert analyse_job().executor_def.name == "celery"  # what a worker rebuilds from its environment
+    monkeypatch.setenv("UPDATELENS_PROFILE", "nosuch")
+    with pytest.raises(ConfigError, match="unknown deployment profile 'nosuch'"):
+        active_profile()
+
+    job = defs.resolve_job_def("analyse")
+    for step, queue in QUEUES.items():
+        tags = job.graph.node_named(step).tags
+        assert tags["dagster-celery/queue"] == queue, step
+        resources = json.loads(tags["dagster-k8s/config"])["container_config"]["resources"]
+        assert ("nvidia.com/gpu" in resources["requests"]) == (queue == "gpu"), step

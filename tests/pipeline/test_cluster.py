@@ -1,0 +1,97 @@
+"""Scale-out: the whole pipeline for a tiny model on a local cluster (Redis broker, two Celery
+workers running Dagster's celery executor, results in an S3-compatible server), equal to the
+plain local run and queried by DuckDB from the object store."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+from polars.testing import assert_frame_equal
+
+from orchestration.deployments import CPU_QUEUE, GPU_QUEUE
+from orchestration.resources import AnalysisSettings, UpdateLensResource
+from orchestration.runner import dagster_yaml, materialize_layers_distributed, materialize_model
+from storage import catalog
+from storage.layout import TABLES
+from tests import cluster
+from tests.zoo import N_LAYERS
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed (.ci/run installs Debian's redis-server)")
+
+MODEL = "tiny-llama"
+SETTINGS = dict(n_seq=6, seq_len=16, k=8, rank=2, classes=["diagonal", "lowrank"])
+MODEL_STEPS = {"activations", "functional_metrics"}
+LIGHT_STEPS = {"local_fits", "residuals", "geometry"}
+# Sort keys that identify a row in each table (the rest are measured values).
+ROW_KEYS = ("model", "layer", "fn_class", "variant", "which", "seq", "pos", "component")
+
+
+def _table(root: object, table: str) -> pl.DataFrame:
+    frame = catalog.query(root, f"SELECT * FROM {table}")
+    return frame.sort([c for c in ROW_KEYS if c in frame.columns])
+
+
+def test_pipeline_on_local_cluster_equals_local_run(zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    analysis = AnalysisSettings(**SETTINGS)
+    local = UpdateLensResource(data_root=str(tmp_path / "local"), registry=str(zoo), analysis=analysis)
+    start = time.perf_counter()
+    result = materialize_model(MODEL, local, dg.DagsterInstance.ephemeral(), log_level="WARNING")
+    local_wall = time.perf_counter() - start
+    assert result.success
+    local_checks = sorted((f"{e.asset_key.to_user_string()}.{e.check_name}", e.passed)
+                          for e in result.get_asset_check_evaluations())
+
+    work = tmp_path / "cluster"
+    work.mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(dagster_yaml(1))
+    with cluster.redis_server(work) as redis, cluster.s3_server(work) as endpoint:
+        cluster.create_bucket(endpoint, "lens")
+        env = {
+            "DAGSTER_HOME": str(home), "UPDATELENS_PROFILE": "celery",
+            "UPDATELENS_CELERY_BROKER": f"{redis}/0", "UPDATELENS_CELERY_BACKEND": f"{redis}/1",
+            "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_ENDPOINT_URL": endpoint,
+            "AWS_DEFAULT_REGION": "us-east-1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+            "UPDATELENS_LOCK_DIR": str(work / "locks"),
+        }
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        worker_env = dict(os.environ)
+        remote = UpdateLensResource(data_root="s3://lens/results", registry=str(zoo), analysis=analysis)
+        with cluster.celery_worker("gpu-worker", [GPU_QUEUE], worker_env, work), \
+                cluster.celery_worker("cpu-worker", [CPU_QUEUE], worker_env, work):
+            start = time.perf_counter()
+            with dg.DagsterInstance.get() as instance:
+                runs = materialize_layers_distributed(MODEL, remote, instance, max_runs=N_LAYERS,
+                                                      log_level="WARNING")
+            cluster_wall = time.perf_counter() - start
+
+        # one run per (model, layer); every step succeeded, with the same check verdicts as locally
+        assert [r.layer for r in runs] == list(range(N_LAYERS))
+        for run in runs:
+            assert run.success, run.failure
+        # the local run checks all layers at once: a check passes there iff it passed on every layer
+        cluster_checks = {name: all(p for r in runs for n, p, _ in r.checks if n == name)
+                          for name, _ in local_checks}
+        assert sorted(cluster_checks.items()) == local_checks
+        # each step ran in a Celery worker of its queue: model steps on the gpu worker, light on the cpu one
+        for run in runs:
+            assert {step: host.split("@")[0] for step, host in run.workers.items()} == {
+                **{step: "gpu-worker" for step in MODEL_STEPS}, **{step: "cpu-worker" for step in LIGHT_STEPS}}
+
+        # the results live in the bucket, and DuckDB reads them from there: equal to the local run
+        for table in TABLES:
+            assert_frame_equal(_table(remote.root, table), _table(local.root, table),
+                               check_exact=False, rel_tol=1e-4, abs_tol=1e-5)
+        findings = catalog.query(remote.root, "SELECT finding, value FROM findings ORDER BY finding")
+        assert len(findings) == 10
+        assert not (tmp_path / "s3:").exists() and not Path("s3:").exists()
+    print(f"\nlocal in-process run {local_wall:.1f} s; local cluster (2 celery workers, S3) {cluster_wall:.1f} s")
