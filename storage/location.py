@@ -32,6 +32,10 @@ def is_url(root: str | os.PathLike[str]) -> bool:
 
 def storage_options(protocol: str) -> dict[str, object]:
     options = dict(_DEFAULT_OPTIONS.get(protocol, {}))
+    if protocol in ("s3", "s3a") and os.environ.get("AWS_ENDPOINT_URL"):
+        # explicit, so fsspec's instance cache (keyed by these options) never hands out a
+        # filesystem bound to another endpoint than the environment's current one
+        options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
     raw = os.environ.get(STORAGE_OPTIONS_ENV)
     if raw:
         try:
