@@ -10,6 +10,7 @@ from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_START_TAG,
 )
 
+from orchestration.deployments import active_profile
 from orchestration.jobs import analyse_job, comparison_job, report_job
 from orchestration.partitions import (
     MODEL_LAYER,
@@ -27,10 +28,11 @@ from updatelens.models import read_depth
 
 def stale_run_requests(lens: UpdateLensResource, model: str, n_layers: int, run_key: str) -> list[dg.RunRequest]:
     """Runs for the model's stale partitions: one range run if all are stale (the model is loaded
-    and captured once), else one run per stale key; none if everything is up to date."""
+    and captured once), else one run per stale key; none if everything is up to date. Under a
+    cluster profile (celery, k8s) always one run per key: independent tasks for the workers."""
     keys = model_keys(model, n_layers)
     stale = stale_keys(lens.root, model, n_layers, lens.config().config_id, CODE_VERSION)
-    if stale == keys:
+    if stale == keys and not active_profile().per_layer_runs:
         return [dg.RunRequest(run_key=f"{model}@{run_key}", tags=range_tags(keys))]
     return [dg.RunRequest(run_key=f"{key}@{run_key}", partition_key=key) for key in stale]
 

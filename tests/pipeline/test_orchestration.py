@@ -64,6 +64,13 @@ def test_sensor_adds_partitions_and_requests_each_new_model_once(zoo: Path, lens
     assert "tiny-gpt2" not in removed.cursor
 
 
+def test_sensor_requests_one_run_per_layer_under_a_cluster_profile(lens: UpdateLensResource,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UPDATELENS_PROFILE", "celery")
+    first = tick(dg.DagsterInstance.ephemeral(), lens, None)
+    assert [r.partition_key for r in first.run_requests] == model_keys("tiny-gpt2", 3)
+
+
 def test_sensor_adds_but_does_not_rerun_an_up_to_date_model(lens: UpdateLensResource) -> None:
     instance = dg.DagsterInstance.ephemeral()
     run = materialize_model("tiny-gpt2", lens, instance)
