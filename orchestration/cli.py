@@ -137,7 +137,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     print(f"\nPer-layer summary ({args.model}, config {cfg.config_id}; SQL view layer_summary):")
     _print_frame(catalog.query(lens.root, SUMMARY_SQL.format(model=args.model, config_id=cfg.config_id)))
-    print(f"\npipeline wall time {wall:.1f} s, peak RSS {peak:.2f} GiB; catalog {catalog.catalog_path(lens.root) or 'in memory (updatelens sql)'}")
+    where = "of the launcher; the steps ran in the workers" if profile.per_layer_runs else "of this process"
+    print(f"\npipeline wall time {wall:.1f} s, peak RSS {peak:.2f} GiB ({where}); "
+          f"catalog {catalog.catalog_path(lens.root) or 'in memory (updatelens sql)'}")
     with dg.DagsterInstance.get() as instance:
         return _reports([args.model], lens, instance)
 

@@ -82,9 +82,13 @@ def celery_config() -> dict[str, object]:
         "broker": os.environ.get(BROKER_ENV, DEFAULT_BROKER),
         "backend": os.environ.get(BACKEND_ENV, DEFAULT_BACKEND),
         "include": ["orchestration.definitions"],
-        # a worker takes one step at a time (a model step holds a whole model in memory)
+        # a worker takes one step at a time (a model step holds a whole model in memory); a step
+        # is acknowledged when done, so a worker lost mid-step hands it to another, after Redis's
+        # visibility timeout, raised to 12 h so that a long step is never handed out twice
         "config_source": {"worker_prefetch_multiplier": 1, "task_acks_late": True,
-                          "broker_connection_retry_on_startup": True},
+                          "broker_connection_retry_on_startup": True,
+                          "broker_transport_options": {"max_retries": 3, "interval_start": 0, "interval_step": 0.2,
+                                                       "interval_max": 0.5, "visibility_timeout": 43200}},
     }
 
 
