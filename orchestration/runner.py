@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -172,6 +173,9 @@ class LayerRun:
 def _layer_run(key: str, layer: int, run_config: dict[str, object]) -> LayerRun:
     """One (model, layer) run, in its own process (like a run launcher's run worker): the executor
     loop submits the steps and waits for them; the instance comes from $DAGSTER_HOME."""
+    # dagster-celery registers its task on the executor's app again for every step it submits;
+    # celery warns each time (6 lines per step), which says nothing about this run
+    warnings.filterwarnings("ignore", message="Task name 'execute_plan' is already registered")
     job = dg.reconstructable(analyse_job)
     with dg.DagsterInstance.get() as instance, \
             dg.execute_job(job, instance=instance, run_config=run_config, tags={"dagster/partition": key},
