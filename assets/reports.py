@@ -23,7 +23,6 @@ from reports.build import (
     build_model_report,
 )
 from storage import catalog
-from storage.location import url
 from storage.layout import (
     SWEEP_TABLES,
     clear_sweeps,
@@ -32,6 +31,7 @@ from storage.layout import (
     write_partition,
     write_sweep_run,
 )
+from storage.location import url
 from updatelens import CODE_VERSION
 from updatelens.sweep import (
     DEFAULT_GRID,

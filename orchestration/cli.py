@@ -12,9 +12,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from storage.layout import has_files, has_model
-from storage.location import is_url
-
 if TYPE_CHECKING:
     import dagster as dg
 
@@ -74,7 +71,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from orchestration.deployments import PROFILE_ENV, active_profile
     from orchestration.runner import (
         check_inputs,
+        check_verdicts,
         contiguous_ranges,
+        failure_message,
         materialize_layers_distributed,
         materialize_model,
         project_dagster_home,
@@ -123,9 +122,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"running layers {layer_range[0]}-{layer_range[-1]}", flush=True)
             result = materialize_model(args.model, lens, instance, layers=layer_range, log_level="INFO",
                                        raise_on_error=False, report=report)
-            checks += [(f"{e.asset_key.to_user_string()}.{e.check_name}", e.passed, e.description or "")
-                       for e in result.get_asset_check_evaluations()]
-            failures += [_failure(result)] if not result.success else []
+            checks += check_verdicts(result)
+            failures += [failure_message(result)] if not result.success else []
     wall = time.perf_counter() - start
     peak = _peak_rss_gib()
     if checks:
@@ -159,22 +157,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-def _failure(result: dg.ExecuteInJobResult) -> str:
-    """The first failed step's error message."""
-    failures = [e for e in result.all_events if e.is_step_failure]
-    return failures[0].step_failure_data.error.message.strip() if failures else "see the log above"
-
-
 def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterInstance) -> int:
     """Materialize the models' reports and the comparison; print where they are."""
-    from orchestration.runner import materialize_reports
+    from orchestration.runner import failure_message, materialize_reports
     from reports.build import COMPARISON, reports_root
     from storage import catalog
 
     results = materialize_reports(models, lens, instance, raise_on_error=False)
     for result in results:
         if not result.success:
-            print(f"updatelens: the report failed: {_failure(result)}", file=sys.stderr)
+            print(f"updatelens: the report failed: {failure_message(result)}", file=sys.stderr)
             return 1
     base = reports_root(lens.root)
     print("\nFindings (SQL view findings):")
@@ -189,6 +181,7 @@ def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterIn
 
 def _lens_from(args: argparse.Namespace) -> UpdateLensResource:
     from orchestration.resources import AnalysisSettings, UpdateLensResource
+    from storage.location import is_url
 
     kwargs: dict[str, object] = {}
     if getattr(args, "corpus", None):
@@ -206,6 +199,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     from orchestration.runner import project_dagster_home
     from storage import catalog
+    from storage.layout import has_files
 
     os.environ["DAGSTER_HOME"] = str(project_dagster_home())
     lens = _lens_from(args)
@@ -229,10 +223,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     from orchestration.runner import (
         check_inputs,
+        failure_message,
         materialize_sweep,
         project_dagster_home,
     )
     from storage import catalog
+    from storage.layout import has_model
     from updatelens.errors import UpdateLensError
     from updatelens.sweep import DEFAULT_GRID, parse_grid, sweep_baseline, sweep_runs
 
@@ -258,7 +254,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     with dg.DagsterInstance.get() as instance:
         result = materialize_sweep(args.model, lens, instance, sweep_config, raise_on_error=False)
         if not result.success:
-            print(f"updatelens sweep: the sweep failed: {_failure(result)}", file=sys.stderr)
+            print(f"updatelens sweep: the sweep failed: {failure_message(result)}", file=sys.stderr)
             return 1
         print(f"\nsweep wall time {time.perf_counter() - start:.1f} s. Sensitivity (SQL view sensitivity):")
         _print_frame(catalog.query(lens.root, f"SELECT finding, convention, setting, fn_class, round(value, 3) AS value, "
@@ -341,6 +337,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from orchestration.resources import default_data_root
+    from storage.location import is_url
     from updatelens import bench
     from updatelens.capture import capture, kept_mask
     from updatelens.config import AnalysisConfig

@@ -44,17 +44,14 @@ FORWARDED_ENV = ("UPDATELENS_DATA", "UPDATELENS_STORAGE_OPTIONS", "UPDATELENS_PR
 @dataclass(frozen=True)
 class Profile:
     name: str
-    description: str
     per_layer_runs: bool  # `updatelens run` launches one run per (model, layer) instead of one per range
 
 
+# what each profile means: the module docstring
 PROFILES = {
-    "local": Profile("local", "one machine: multiprocess executor (UI), one in-process run per layer range (CLI)",
-                     per_layer_runs=False),
-    "celery": Profile("celery", "dagster-celery on Redis: a run per (model, layer), steps on queues gpu/cpu",
-                      per_layer_runs=True),
-    "k8s": Profile("k8s", "dagster-k8s k8s_job_executor: each step a Kubernetes Job, model steps request a GPU",
-                   per_layer_runs=True),
+    "local": Profile("local", per_layer_runs=False),
+    "celery": Profile("celery", per_layer_runs=True),
+    "k8s": Profile("k8s", per_layer_runs=True),
 }
 
 

@@ -14,7 +14,6 @@ from typing import Any
 import dagster as dg
 import pydantic
 import torch
-
 from upath import UPath
 
 from assets.checks import CheckSettings

@@ -149,13 +149,20 @@ def analyse_job() -> dg.JobDefinition:
 
 def lens_run_config(lens: UpdateLensResource, log_level: str = "INFO") -> dict[str, object]:
     """The resource as run config: a run executed elsewhere rebuilds it from the stored run."""
-    return {
-        "resources": {"lens": {"config": {
-            "data_root": lens.data_root, "registry": lens.registry, "corpus": lens.corpus,
-            "analysis": lens.analysis.model_dump(), "checks": lens.checks.model_dump(),
-        }}},
-        "loggers": {"console": {"config": {"log_level": log_level}}},
-    }
+    return {"resources": {"lens": {"config": lens.model_dump()}},
+            "loggers": {"console": {"config": {"log_level": log_level}}}}
+
+
+def check_verdicts(result: dg.ExecutionResult) -> list[tuple[str, bool, str]]:
+    """(asset.check, passed, description) of every check a run evaluated."""
+    return [(f"{e.asset_key.to_user_string()}.{e.check_name}", e.passed, e.description or "")
+            for e in result.get_asset_check_evaluations()]
+
+
+def failure_message(result: dg.ExecutionResult) -> str:
+    """The first failed step's error message."""
+    failures = [e for e in result.all_events if e.is_step_failure]
+    return failures[0].step_failure_data.error.message.strip() if failures else "see the log above"
 
 
 @dataclass
@@ -180,14 +187,9 @@ def _layer_run(key: str, layer: int, run_config: dict[str, object]) -> LayerRun:
     with dg.DagsterInstance.get() as instance, \
             dg.execute_job(job, instance=instance, run_config=run_config, tags={"dagster/partition": key},
                            raise_on_error=False) as result:
-        checks = [(f"{e.asset_key.to_user_string()}.{e.check_name}", e.passed, e.description or "")
-                  for e in result.get_asset_check_evaluations()]
-        failure = ""
-        if not result.success:
-            failures = [e for e in result.all_events if e.is_failure]
-            failure = str(failures[0].message) if failures else "run failed"
-        return LayerRun(layer=layer, run_id=result.run_id, success=result.success, checks=checks,
-                        workers=step_workers(instance, result.run_id), failure=failure)
+        return LayerRun(layer=layer, run_id=result.run_id, success=result.success, checks=check_verdicts(result),
+                        workers=step_workers(instance, result.run_id),
+                        failure="" if result.success else failure_message(result))
 
 
 def step_workers(instance: dg.DagsterInstance, run_id: str) -> dict[str, str]:
@@ -212,12 +214,12 @@ def materialize_layers_distributed(model: str, lens: UpdateLensResource, instanc
     worker). Each run's executor loop runs in its own spawned process (threads sharing one
     instance deadlocked here). Needs the persistent instance of $DAGSTER_HOME, which the workers
     share: `instance` must be it."""
+    if instance.is_ephemeral:
+        raise ConfigError("a distributed run needs a persistent Dagster instance (set DAGSTER_HOME)")
     report = report or check_inputs(model, lens, layers)
     keys = register_model(instance, model, report.n_layers)
     register_model_key(instance, model)
     chosen = list(range(report.n_layers)) if layers is None else sorted(set(layers))
-    if instance.is_ephemeral:
-        raise ConfigError("a distributed run needs a persistent Dagster instance (set DAGSTER_HOME)")
     run_config = lens_run_config(lens, log_level)
     with ProcessPoolExecutor(max_workers=max(1, min(max_runs, len(chosen))),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
