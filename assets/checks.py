@@ -23,7 +23,7 @@ from updatelens.config import AnalysisConfig
 from updatelens.fits import FitParams, LayerFit, fit_local_batched
 from updatelens.fits.global_linear import fit_global_linear
 from updatelens.models import LoadedModel
-from updatelens.perturbation import Variant, patched_kl
+from updatelens.perturbation import OriginalOutput, Variant, patched_kl
 from updatelens.tables import to_matrix
 
 
@@ -320,12 +320,12 @@ def check_functional(fm: pa.Table, summary: pa.Table, settings: CheckSettings) -
     return verdict
 
 
-def check_identity_patch(lm: LoadedModel, data: LayerData, orig_logp: torch.Tensor, batch: int,
+def check_identity_patch(lm: LoadedModel, data: LayerData, orig: OriginalOutput, batch: int,
                          returns_tuple: bool, settings: CheckSettings) -> Verdict:
     """Patch block l's output with its own true value on a few sequences: the KL must be 0."""
     n = min(settings.identity_sequences, len(data.input_ids))
     kl = patched_kl(lm, data.input_ids[:n], data.layer, [Variant("identity", "-", data.y_full[:n])],
-                    orig_logp[:n], batch, returns_tuple)[0]
+                    orig.subset(slice(0, n)), batch, returns_tuple)[0]
     verdict = Verdict()
     verdict.expect(f"identity patch KL <= {settings.identity_kl_tol:g}", float(kl.max()) <= settings.identity_kl_tol,
                    f"identity patch at layer {data.layer} gives KL up to {kl.max():.2e}: the patching "

@@ -9,7 +9,7 @@ from assets.geometry import geometry
 from orchestration.resources import UpdateLensResource
 from updatelens.analysis import functional_tables
 from updatelens.capture import block_output_is_tuple
-from updatelens.perturbation import original_log_probs
+from updatelens.perturbation import original_output
 
 
 @stage_asset(
@@ -32,7 +32,7 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
             act, data, fits = read_layer(lens.root, model, layer, cfg)
             read_upstream(lens.root, "geometry", model, layer, cfg)  # lineage and config check
             if orig is None:  # the sample is the same for every layer of the model
-                orig = original_log_probs(lm, data.input_ids, cfg.patch_batch)
+                orig = original_output(lm, data.input_ids, cfg.patch_batch)
             fm, fs = functional_tables(lm, data, fits, orig, cfg, provenance_from(act, cfg), returns_tuple)
             stored_fm = written.add(lens.root, "functional_metrics", model, layer, fm)
             stored_fs = written.add(lens.root, "functional_summary", model, layer, fs)

@@ -17,7 +17,7 @@ from updatelens.capture import capture
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import make_sample
 from updatelens.models import load_model
-from updatelens.perturbation import Variant, original_log_probs, patched_kl
+from updatelens.perturbation import Variant, original_output, patched_kl
 from updatelens.registry import DEFAULT_REGISTRY, get_corpus, get_model
 
 
@@ -37,7 +37,7 @@ def test_smollm2_capture_and_identity_patch(smollm2) -> None:
         hs = smollm2.model(input_ids=torch.as_tensor(sample.input_ids), output_hidden_states=True).hidden_states
     for i in range(30):
         np.testing.assert_allclose(cap.states[i], hs[i].numpy(), rtol=1e-4, atol=1e-4)
-    orig = original_log_probs(smollm2, sample.input_ids, 2)
+    orig = original_output(smollm2, sample.input_ids, 2)
     for layer in (0, 15, 29):
         kl = patched_kl(smollm2, sample.input_ids, layer, [Variant("identity", "-", cap.states[layer + 1])], orig, 2)[0]
         assert kl.max() < 1e-5

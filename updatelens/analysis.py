@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from updatelens import CODE_VERSION
 from updatelens.capture import Captured, capture, kept_mask
@@ -31,8 +30,9 @@ from updatelens.geometry import (
 from updatelens.models import LoadedModel
 from updatelens.neighbours import knn
 from updatelens.perturbation import (
+    OriginalOutput,
     Variant,
-    original_log_probs,
+    original_output,
     patched_kl,
     random_control,
     single_position_kl,
@@ -124,7 +124,7 @@ def compute_fits(data: LayerData, cfg: AnalysisConfig) -> tuple[dict[str, LayerF
     x, y, seq = data.x, data.y, data.seq
     neighbours = None
     if any(c in LOCAL_CLASSES for c in cfg.classes):
-        neighbours = knn(x, seq, cfg.k, cfg.metric, cfg.exclusion, cfg.index, cfg.seed)
+        neighbours = knn(x, seq, cfg.k, cfg.metric, cfg.exclusion, cfg.index, cfg.seed, cfg.device)
     fits = {c: fit_layer(c, x, y, seq, neighbours, cfg) for c in cfg.classes}
     return fits, neighbours
 
@@ -264,16 +264,16 @@ def single_positions(data: LayerData, per_seq: int, seed: int) -> np.ndarray:
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
-def functional_tables(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig_logp: torch.Tensor,
+def functional_tables(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig: OriginalOutput,
                       cfg: AnalysisConfig, prov: Provenance, returns_tuple: bool = False) -> tuple[pa.Table, pa.Table]:
     variants = build_variants(data, fits, cfg)
     if cfg.patch_mode == "all":
-        kls = patched_kl(lm, data.input_ids, data.layer, variants, orig_logp, cfg.patch_batch, returns_tuple)
+        kls = patched_kl(lm, data.input_ids, data.layer, variants, orig, cfg.patch_batch, returns_tuple)
         measured = data.kept
     else:
         positions = single_positions(data, cfg.single_positions, cfg.seed)
         kls = single_position_kl(lm, data.input_ids, data.layer, variants, data.y_full, positions,
-                                 orig_logp, cfg.patch_batch, returns_tuple)
+                                 orig, cfg.patch_batch, returns_tuple)
         measured = np.zeros_like(data.kept)
         measured[positions[:, 0], positions[:, 1]] = True
     seq_idx, pos_idx = np.nonzero(measured)
@@ -327,7 +327,7 @@ def analyse_model(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig,
     cfg.validate(d_model=lm.d_model, max_positions=lm.max_positions)
     prov = provenance(lm, sample, cfg)
     cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
-    orig = original_log_probs(lm, sample.input_ids, cfg.patch_batch)
+    orig = original_output(lm, sample.input_ids, cfg.patch_batch)
     for layer in layers if layers is not None else range(lm.n_layers):
         act = activations_table(cap, layer, cfg, prov)
         data = layer_data(act)

@@ -55,7 +55,7 @@ class AnalysisConfig:
     controls: tuple[str, ...] = ("random", "crude")
     control_class: str = ""  # class whose residual the controls use; "" = the last class listed
     crude_class: str = "diagonal"
-    patch_batch: int = 4  # rows (variant x sequence) per patched forward pass: bounds logits memory
+    patch_batch: int = 8  # rows (variant x sequence) per patched forward pass (8: measured fastest on SmolLM2, CPU)
     # execution
     capture_batch: int = 8
     device: str = "cpu"

@@ -11,11 +11,12 @@ output recorders see the patched value; it is removed on exit even when the pass
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from scipy import stats
 from torch import nn
 
@@ -54,25 +55,174 @@ def resume_at_block(blocks: nn.ModuleList, layer: int, patched: torch.Tensor,
                 del block.forward
 
 
-def _forward_logp(lm: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
-    kwargs = {"attention_mask": torch.ones_like(ids)} if lm.allows_padding else {}
-    logits = lm.model(input_ids=ids, use_cache=False, **kwargs).logits
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
-def original_log_probs(lm: LoadedModel, input_ids: np.ndarray, batch: int) -> torch.Tensor:
-    """log p_orig for every position of the sample: [n_seq, T, V] float32 on the CPU."""
-    out = []
-    with torch.inference_mode():
-        for start in range(0, len(input_ids), batch):
-            ids = torch.as_tensor(input_ids[start : start + batch], device=lm.device)
-            out.append(_forward_logp(lm, ids).cpu())
-    return torch.cat(out)
+def _padding_kwargs(lm: LoadedModel, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"attention_mask": torch.ones_like(ids)} if lm.allows_padding else {}
 
 
 def kl_rows(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) over the last axis, natural log; clamped at 0 against rounding."""
+    """KL(p || q) over the last axis from full log-probabilities, natural log, clamped at 0: the
+    plain definition, used for output layers that are not a plain linear map (and by tests)."""
     return (logp.exp() * (logp - logq)).sum(dim=-1).clamp_min(0.0)
+
+
+# ---- the output layer ---------------------------------------------------------------------------
+@dataclass
+class LinearHead:
+    """An output layer that is exactly logits = h W^T + b (checked against the model's own logits).
+
+    For such a head the patched logits are z_q = z_p + delta with delta_v = (h_q - h_p) . w_v (the
+    bias cancels), so with p the original distribution at the same position
+        KL(p || q) = logsumexp_v(log p_v + delta_v) - sum_v p_v delta_v,
+        sum_v p_v delta_v = (h_q - h_p) . (sum_v p_v w_v).
+    A patched pass then needs one head product of the *difference* of the head inputs (rounding
+    relative to the change, not to the logits: float32 logits near 36 carry ~1e-5 of error, more
+    than the smallest KLs) and one log-sum-exp, made and reduced a vocabulary chunk at a time
+    (cache-sized) without materialising the logits or log q. The identity patch gives exactly 0.
+    """
+
+    weight: torch.Tensor  # [V, d]
+    chunk: int = 2048
+
+    def shifted_logsumexp(self, delta_h: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """logsumexp_v(logp_v + delta_h . w_v) for delta_h [m, d], logp [m, V]: float64 [m]."""
+        delta_h = delta_h.to(self.weight.dtype)
+        parts = []
+        for start in range(0, self.weight.shape[0], self.chunk):
+            t = F.linear(delta_h, self.weight[start : start + self.chunk]).float()
+            t += logp[:, start : start + self.chunk]
+            top = t.amax(dim=-1, keepdim=True)  # kept exact; the sum of exp is rounded relative to 1
+            parts.append(top.squeeze(-1).double() + t.sub_(top).exp_().sum(dim=-1).double().log())
+        return torch.logsumexp(torch.stack(parts, dim=-1), dim=-1)
+
+
+def output_layer(lm: LoadedModel) -> nn.Module | None:
+    head = lm.model.get_output_embeddings() if hasattr(lm.model, "get_output_embeddings") else None
+    return head if isinstance(head, nn.Module) else None
+
+
+@contextmanager
+def recording_head(head: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """Within the context, `seen["input"]`/`seen["output"]` hold the output layer's last call."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        seen["input"], seen["output"] = args[0], output
+
+    handle = head.register_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def head_bypassed(head: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """Within the context the output layer returns its input unchanged and records it in
+    `seen["input"]`: the forward stops before the logits (the caller reduces them itself)."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def bypass(hidden: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen["input"] = hidden
+        return hidden
+
+    try:
+        head.forward = bypass  # type: ignore[method-assign]
+        yield seen
+    finally:
+        if "forward" in head.__dict__:
+            del head.forward
+
+
+# ---- the original distributions -----------------------------------------------------------------
+@dataclass
+class OriginalOutput:
+    """The unpatched next-token distributions of the sample, and what the fast KL needs besides.
+
+    `logp` always; with a `LinearHead` also the head's input h_p and the p-weighted mean head row
+    (float64), so a patched pass reduces chunk by chunk (see `LinearHead`)."""
+
+    logp: torch.Tensor  # [n_seq, T, V] float32
+    head: LinearHead | None = None
+    head_input: torch.Tensor | None = None  # [n_seq, T, d] h_p, the head's input
+    mean_row: torch.Tensor | None = None  # [n_seq, T, d] float64: sum_v p_v w_v
+
+    def __len__(self) -> int:
+        return len(self.logp)
+
+    def subset(self, seqs: slice | list[int]) -> OriginalOutput:
+        """The same for a subset of the sequences."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[seqs]
+
+        return OriginalOutput(self.logp[seqs], self.head, pick(self.head_input), pick(self.mean_row))
+
+    def kl(self, seqs: list[int], out: torch.Tensor, positions: list[int] | None = None) -> torch.Tensor:
+        """KL(p_orig || q) [b, T] (or [b] at one position per row), float64, clamped at 0.
+
+        `out` is what `patched_outputs` returned for rows of sequences `seqs`: the head's input
+        [b, T, d] (linear head) or the logits [b, T, V]."""
+        index: tuple = (_as_index(seqs),) if positions is None else (seqs, positions)
+        if positions is not None:
+            out = out[torch.arange(len(seqs)), positions]
+        logp = self.logp[index]
+        if self.head is None:
+            logq = torch.log_softmax(out.float(), dim=-1).to(logp.device)
+            return kl_rows(logp, logq).double().clamp_min(0.0)
+        assert self.head_input is not None and self.mean_row is not None
+        delta_h = out - self.head_input[index]
+        shape = delta_h.shape[:-1]
+        lse = self.head.shifted_logsumexp(delta_h.reshape(-1, delta_h.shape[-1]), logp.reshape(-1, logp.shape[-1]))
+        return (lse.reshape(shape) - (delta_h.double() * self.mean_row[index]).sum(dim=-1)).clamp_min(0.0)
+
+
+def _as_index(seqs: list[int]) -> slice | list[int]:
+    """A run of consecutive sequences as a slice (a view: no copy of the V-sized rows)."""
+    if seqs and list(seqs) == list(range(seqs[0], seqs[0] + len(seqs))):
+        return slice(seqs[0], seqs[0] + len(seqs))
+    return seqs
+
+
+def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_head: bool = True) -> OriginalOutput:
+    """The unpatched pass over the sample. The head takes the fast path only if it is a bias-free
+    or biased `nn.Linear` whose output is exactly the model's logits (no scaling or soft-capping
+    after it); `fast_head=False` forces the plain definition."""
+    module = output_layer(lm)
+    head = LinearHead(module.weight) if fast_head and isinstance(module, nn.Linear) else None
+    logp: torch.Tensor | None = None  # [n_seq, T, V] filled in place: no second copy from a cat
+    inputs, mean_rows = [], []
+    weight64 = head.weight.detach().double() if head is not None else None
+    with torch.inference_mode():
+        for start in range(0, len(input_ids), batch):
+            ids = torch.as_tensor(input_ids[start : start + batch], device=lm.device)
+            with recording_head(module) if head is not None else nullcontext({}) as seen:  # type: ignore[arg-type]
+                logits = lm.model(input_ids=ids, use_cache=False, **_padding_kwargs(lm, ids)).logits
+            if head is not None and not torch.equal(seen["output"].to(logits.dtype), logits):
+                return original_output(lm, input_ids, batch, fast_head=False)  # post-processed logits
+            if logp is None:
+                logp = torch.empty((len(input_ids), *logits.shape[1:]), dtype=torch.float32, device=logits.device)
+            if head is not None:
+                inputs.append(seen["input"])
+            for i, row in enumerate(logits):  # one sequence at a time: float64 [T, V] temporaries stay small
+                row_logp = torch.log_softmax(row.double(), dim=-1)
+                logp[start + i] = row_logp
+                if weight64 is not None:
+                    mean_rows.append(row_logp.exp_() @ weight64)
+    assert logp is not None, "empty sample"
+    if head is None:
+        return OriginalOutput(logp)
+    return OriginalOutput(logp, head, torch.cat(inputs), torch.stack(mean_rows))
+
+
+def patched_outputs(lm: LoadedModel, ids: torch.Tensor, layer: int, state: torch.Tensor,
+                    orig: OriginalOutput, returns_tuple: bool = False) -> torch.Tensor:
+    """One patched pass from block `layer` on: what `OriginalOutput.kl` reduces (head input or logits)."""
+    module = output_layer(lm)
+    with resume_at_block(lm.blocks, layer, state, returns_tuple):
+        if orig.head is not None and module is not None:
+            with head_bypassed(module) as seen:
+                lm.model(input_ids=ids, use_cache=False, **_padding_kwargs(lm, ids))
+            return seen["input"]
+        return lm.model(input_ids=ids, use_cache=False, **_padding_kwargs(lm, ids)).logits
 
 
 @dataclass
@@ -85,7 +235,7 @@ class Variant:
 
 
 def patched_kl(lm: LoadedModel, input_ids: np.ndarray, layer: int, variants: list[Variant],
-               orig_logp: torch.Tensor, batch: int, returns_tuple: bool = False) -> list[np.ndarray]:
+               orig: OriginalOutput, batch: int, returns_tuple: bool = False) -> list[np.ndarray]:
     """All-positions patch: KL at every position, one array [n_seq, T] per variant.
 
     Rows (variant, sequence) are batched together, `batch` rows per forward pass.
@@ -99,16 +249,14 @@ def patched_kl(lm: LoadedModel, input_ids: np.ndarray, layer: int, variants: lis
             seqs = [s for _, s in chunk]
             ids = torch.as_tensor(input_ids[seqs], device=lm.device)
             state = torch.as_tensor(np.stack([variants[v].state[s] for v, s in chunk]), device=lm.device)
-            with resume_at_block(lm.blocks, layer, state, returns_tuple):
-                logq = _forward_logp(lm, ids).cpu()
-            kl = kl_rows(orig_logp[seqs], logq).double().numpy()
+            kl = orig.kl(seqs, patched_outputs(lm, ids, layer, state, orig, returns_tuple)).cpu().numpy()
             for i, (v, s) in enumerate(chunk):
                 out[v][s] = kl[i]
     return out
 
 
 def single_position_kl(lm: LoadedModel, input_ids: np.ndarray, layer: int, variants: list[Variant],
-                       y_state: np.ndarray, positions: np.ndarray, orig_logp: torch.Tensor,
+                       y_state: np.ndarray, positions: np.ndarray, orig: OriginalOutput,
                        batch: int, returns_tuple: bool = False) -> list[np.ndarray]:
     """Single-position patches: for each (sequence s, position p) in `positions` [P, 2], only
     position p is patched, and the KL is read at p. Other entries of the result are NaN."""
@@ -118,14 +266,15 @@ def single_position_kl(lm: LoadedModel, input_ids: np.ndarray, layer: int, varia
         for start in range(0, len(rows), batch):
             chunk = rows[start : start + batch]
             seqs = [s for _, s, _ in chunk]
+            at = [p for _, _, p in chunk]
             states = np.stack([y_state[s] for s in seqs]).copy()
             for i, (v, s, p) in enumerate(chunk):
                 states[i, p] = variants[v].state[s, p]
             ids = torch.as_tensor(input_ids[seqs], device=lm.device)
-            with resume_at_block(lm.blocks, layer, torch.as_tensor(states, device=lm.device), returns_tuple):
-                logq = _forward_logp(lm, ids).cpu()
+            result = patched_outputs(lm, ids, layer, torch.as_tensor(states, device=lm.device), orig, returns_tuple)
+            kl = orig.kl(seqs, result, at).cpu().numpy()
             for i, (v, s, p) in enumerate(chunk):
-                out[v][s, p] = float(kl_rows(orig_logp[s, p], logq[i, p]))
+                out[v][s, p] = float(kl[i])
     return out
 
 

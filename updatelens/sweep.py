@@ -28,7 +28,7 @@ from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample
 from updatelens.errors import ConfigError
 from updatelens.models import LoadedModel
-from updatelens.perturbation import original_log_probs
+from updatelens.perturbation import original_output
 
 # Around the default: neighbour exclusion, k, rank and the function class. The alignment form, the
 # angle reference and the error measure need no extra run: every run measures them both ways.
@@ -129,7 +129,7 @@ def sweep(lm: LoadedModel, sample: Sample, runs: Sequence[SweepRun], layers: Seq
     """Analyse every layer under every configuration; `write(run, layer, tables)` stores each result."""
     base = runs[0].config
     cap = capture(lm, sample.input_ids, sample.attention_mask, base.capture_batch)
-    orig = original_log_probs(lm, sample.input_ids, base.patch_batch)
+    orig = original_output(lm, sample.input_ids, base.patch_batch)
     for layer in layers:
         data = layer_data(activations_table(cap, layer, base, provenance(lm, sample, base)))
         for run in runs:

@@ -13,10 +13,12 @@ from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample
 from updatelens.fits import LayerFit
 from updatelens.perturbation import (
+    LinearHead,
     Variant,
     kl_rows,
-    original_log_probs,
+    original_output,
     patched_kl,
+    single_position_kl,
     spearman,
 )
 
@@ -45,26 +47,80 @@ def reference_logp(lm, ids: np.ndarray, layer: int, state: np.ndarray) -> torch.
     return torch.log_softmax(logits.float(), -1)
 
 
+def plain_logp(lm, ids: np.ndarray) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(lm.model(input_ids=torch.as_tensor(ids)).logits.float(), -1)
+
+
 @pytest.mark.parametrize("slug", SLUGS)
-def test_resume_fast_path_equals_hooked_full_forward(tiny_models: dict, slug: str) -> None:
+@pytest.mark.parametrize("fast_head", [True, False])
+def test_resume_fast_path_equals_hooked_full_forward(tiny_models: dict, slug: str, fast_head: bool) -> None:
+    """Resume-at-block + (fast head: chunked logsumexp and O(d) expectations) against a full
+    forward with a hook and the plain KL over full log-probabilities."""
     lm = tiny_models[slug]
     ids, cap = setup(lm)
-    orig = original_log_probs(lm, ids, 2)
+    orig = original_output(lm, ids, 2, fast_head=fast_head)
+    assert (orig.head is not None) == fast_head and (orig.mean_row is not None) == fast_head
     layer = 1
     rng = np.random.default_rng(0)
     state = cap.states[layer + 1] + 0.5 * rng.standard_normal(cap.states[layer + 1].shape)
     fast = patched_kl(lm, ids, layer, [Variant("patch", "x", state)], orig, batch=2,
                       returns_tuple=block_output_is_tuple(lm))[0]
-    ref = kl_rows(orig, reference_logp(lm, ids, layer, state)).double().numpy()
+    ref = kl_rows(plain_logp(lm, ids), reference_logp(lm, ids, layer, state)).double().numpy()
     np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-6)
     assert fast[:, 1:].mean() > 0
+
+
+def test_linear_head_shifted_logsumexp_in_chunks_equals_the_full_logits() -> None:
+    rng = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 16, generator=rng)
+    delta_h = 3 * torch.randn(10, 16, generator=rng)
+    logp = torch.log_softmax(torch.randn(10, 1000, generator=rng), -1)
+    head = LinearHead(weight, chunk=128)  # 1000 = 7 full chunks and a partial one
+    expected = torch.logsumexp((logp + delta_h @ weight.T).double(), -1)
+    torch.testing.assert_close(head.shifted_logsumexp(delta_h, logp), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_scaled_logits_fall_back_to_the_plain_definition(tiny_models: dict) -> None:
+    """A model that post-processes the head's output (here: scaled logits) must not take the fast
+    path, whose algebra assumes logits = h W^T + b."""
+    lm = tiny_models["tiny-llama"]
+    ids, cap = setup(lm)
+    handle = lm.model.register_forward_hook(lambda m, a, out: out.__class__(logits=out.logits * 2.0))
+    try:
+        orig = original_output(lm, ids, 3)
+        assert orig.head is None and orig.mean_row is None
+        state = cap.states[2] + 0.3
+        got = patched_kl(lm, ids, 1, [Variant("patch", "x", state)], orig, batch=3)[0]
+        ref = kl_rows(plain_logp(lm, ids), reference_logp(lm, ids, 1, state)).double().numpy()
+    finally:
+        handle.remove()
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("fast_head", [True, False])
+def test_single_position_kl_equals_the_hooked_reference(tiny_models: dict, fast_head: bool) -> None:
+    lm = tiny_models["tiny-gpt2"]
+    ids, cap = setup(lm)
+    layer, y = 1, cap.states[2]
+    orig = original_output(lm, ids, 2, fast_head=fast_head)
+    patched = y + 0.5 * np.random.default_rng(1).standard_normal(y.shape)
+    positions = np.array([[0, 3], [1, 0], [2, 9]])
+    got = single_position_kl(lm, ids, layer, [Variant("patch", "x", patched)], y, positions, orig, batch=2)[0]
+    base = plain_logp(lm, ids)
+    for s, p in positions:
+        state = y.copy()
+        state[s, p] = patched[s, p]
+        ref = kl_rows(base[s, p], reference_logp(lm, ids, layer, state)[s, p]).item()
+        assert got[s, p] == pytest.approx(ref, rel=1e-4, abs=1e-6)
+    assert np.isnan(got).sum() == got.size - len(positions)
 
 
 @pytest.mark.parametrize("slug", SLUGS)
 def test_identity_patch_gives_zero_kl_at_every_layer(tiny_models: dict, slug: str) -> None:
     lm = tiny_models[slug]
     ids, cap = setup(lm)
-    orig = original_log_probs(lm, ids, 3)
+    orig = original_output(lm, ids, 3)
     for layer in range(lm.n_layers):
         kl = patched_kl(lm, ids, layer, [Variant("identity", "x", cap.states[layer + 1])], orig, batch=3)[0]
         assert np.max(kl) < 1e-6, f"{slug} layer {layer}: identity KL {np.max(kl)}"
@@ -73,13 +129,15 @@ def test_identity_patch_gives_zero_kl_at_every_layer(tiny_models: dict, slug: st
 def test_blocks_are_restored_after_a_failed_patch(tiny_models: dict) -> None:
     lm = tiny_models["tiny-llama"]
     ids, cap = setup(lm)
-    orig = original_log_probs(lm, ids, 3)
+    orig = original_output(lm, ids, 3)
     wrong = np.zeros((3, 10, lm.d_model + 1))
     with pytest.raises(ValueError, match="shape"):
         patched_kl(lm, ids, 1, [Variant("patch", "x", wrong)], orig, batch=3)
     assert all("forward" not in b.__dict__ for b in lm.blocks)
-    again = original_log_probs(lm, ids, 3)
-    torch.testing.assert_close(again, orig)
+    assert "forward" not in lm.model.get_output_embeddings().__dict__
+    again = original_output(lm, ids, 3)
+    torch.testing.assert_close(again.logp, orig.logp)
+    torch.testing.assert_close(again.mean_row, orig.mean_row)
 
 
 def fake_fits(cap, layer, kept, shift: float) -> dict[str, LayerFit]:
@@ -102,7 +160,7 @@ def test_functional_tables_cover_kept_tokens_and_controls(tiny_models: dict) -> 
     fits = fake_fits(cap, layer, kept, 0.3)
     sample = Sample("c", ids, np.ones_like(ids), np.zeros(4, int), "c[w0:4,len10]")
     prov = provenance(lm, sample, cfg)
-    orig = original_log_probs(lm, ids, 4)
+    orig = original_output(lm, ids, 4)
     fm, fs = functional_tables(lm, data, fits, orig, cfg, prov)
     variants = fs["variant"].to_pylist()
     assert variants == ["patch", "patch", "random", "crude", "identity"]
@@ -126,7 +184,7 @@ def test_single_position_mode_measures_only_the_patched_positions(tiny_models: d
     kept = kept_mask(np.ones_like(ids), True)
     data = LayerData(0, ids, kept, cap.states[0], cap.states[1])
     sample = Sample("c", ids, np.ones_like(ids), np.zeros(3, int), "c[w0:3,len10]")
-    fm, fs = functional_tables(lm, data, fake_fits(cap, 0, kept, 0.3), original_log_probs(lm, ids, 3),
+    fm, fs = functional_tables(lm, data, fake_fits(cap, 0, kept, 0.3), original_output(lm, ids, 3),
                                cfg, provenance(lm, sample, cfg))
     assert len(fm) == 2 * 3 * 2  # classes x sequences x positions
     assert set(fm["patch_mode"].to_pylist()) == {"single"}
