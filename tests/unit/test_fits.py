@@ -181,5 +181,5 @@ def test_orthogonal_span_solution_is_identity_outside_the_data_span() -> None:
     outside -= basis @ (basis.T @ outside)  # orthogonal to the span
     from updatelens.fits.orthogonal import fit_orthogonal
 
-    res = fit_orthogonal(torch.tensor(X), torch.tensor(Y), torch.tensor(outside[None]), FitParams(orthogonal_scale=False))
+    res = fit_orthogonal(torch.tensor(X), torch.tensor(Y - X), torch.tensor(outside[None]), FitParams(orthogonal_scale=False))
     np.testing.assert_allclose(res.tx.numpy()[0], outside, atol=1e-10)

@@ -13,10 +13,10 @@ import torch
 from updatelens.fits.base import FitParams, LocalFit, ridge_from_gram_diag
 
 
-def fit_diagonal(X: torch.Tensor, Y: torch.Tensor, anchors: torch.Tensor, params: FitParams,
+def fit_diagonal(X: torch.Tensor, D: torch.Tensor, anchors: torch.Tensor, params: FitParams,
                  psd: bool = False) -> LocalFit:
     sxx = (X * X).sum(dim=1)  # [n, d]
-    sxd = (X * (Y - X)).sum(dim=1)
+    sxd = (X * D).sum(dim=1)
     lam = ridge_from_gram_diag(sxx.sum(dim=1, keepdim=True), X.shape[2], params.ridge)
     denom = sxx + lam
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
@@ -27,5 +27,5 @@ def fit_diagonal(X: torch.Tensor, Y: torch.Tensor, anchors: torch.Tensor, params
     return LocalFit(tx=a * anchors, cond=cond)
 
 
-def fit_psd_diagonal(X: torch.Tensor, Y: torch.Tensor, anchors: torch.Tensor, params: FitParams) -> LocalFit:
-    return fit_diagonal(X, Y, anchors, params, psd=True)
+def fit_psd_diagonal(X: torch.Tensor, D: torch.Tensor, anchors: torch.Tensor, params: FitParams) -> LocalFit:
+    return fit_diagonal(X, D, anchors, params, psd=True)

@@ -1,8 +1,8 @@
 """A = s Q, Q orthogonal, s >= 0: scaled orthogonal Procrustes, solved in the span of the data.
 
 Only the span of the 2k neighbour vectors (x_j and y_j) is constrained by the data, so we take
-an orthonormal basis B of that span (QR of [X; Y]^T, d x 2k), solve Procrustes there and let Q
-act as the identity on the complement:
+an orthonormal basis B of that span (QR of [X; D]^T, d x 2k, the same span as [X; Y]^T), solve
+Procrustes there and let Q act as the identity on the complement:
     T(x) = s (B Q_b B^T x + (I - B B^T) x).
 Within the span, M = Yb^T Xb has rank <= k, so many Q attain the optimum. The ridge picks the
 one closest to the identity: Q_b = U V^T from the SVD of M + lambda I (maximising
@@ -14,21 +14,29 @@ from __future__ import annotations
 
 import torch
 
-from updatelens.fits.base import FitParams, LocalFit
+from updatelens.fits.base import FitParams, LocalFit, per_thread
 
 
-def fit_orthogonal(X: torch.Tensor, Y: torch.Tensor, anchors: torch.Tensor, params: FitParams) -> LocalFit:
+def _qr(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.linalg.qr(a, mode="reduced").Q,)
+
+
+def _svd(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.linalg.svd(a))
+
+
+def fit_orthogonal(X: torch.Tensor, D: torch.Tensor, anchors: torch.Tensor, params: FitParams) -> LocalFit:
     n, k, d = X.shape
-    stacked = torch.cat([X, Y], dim=1).transpose(1, 2)  # [n, d, 2k]
-    B, _ = torch.linalg.qr(stacked, mode="reduced")  # [n, d, m], m = min(d, 2k)
+    stacked = torch.cat([X, D], dim=1).transpose(1, 2)  # [n, d, 2k]: span(X, D) = span(X, Y)
+    (B,) = per_thread(_qr, stacked)  # [n, d, m], m = min(d, 2k); the solution does not depend on the basis
     m = B.shape[2]
     Xb = X @ B  # [n, k, m]
-    Yb = Y @ B
+    Yb = Xb + D @ B
     M = Yb.transpose(1, 2) @ Xb  # [n, m, m]
     x_energy = (X * X).sum(dim=(1, 2))
     lam = params.ridge * x_energy / m
     eye = torch.eye(m, dtype=X.dtype, device=X.device)
-    U, S, Vh = torch.linalg.svd(M + lam[:, None, None] * eye)
+    U, S, Vh = per_thread(_svd, M + lam[:, None, None] * eye)
     Qb = U @ Vh
     if params.orthogonal_scale:
         s = (Qb * M).sum(dim=(1, 2)) / x_energy.clamp_min(torch.finfo(X.dtype).tiny)
