@@ -83,6 +83,13 @@ class LinearHead:
     weight: torch.Tensor  # [V, d]
     chunk: int = 2048
 
+    def expected_row(self, p: torch.Tensor) -> torch.Tensor:
+        """sum_v p_v w_v for p [m, V] (float64), the weight cast a chunk at a time: [m, d] float64."""
+        out = torch.zeros((p.shape[0], self.weight.shape[1]), dtype=torch.float64, device=p.device)
+        for start in range(0, self.weight.shape[0], self.chunk):
+            out += p[:, start : start + self.chunk] @ self.weight[start : start + self.chunk].double()
+        return out
+
     def shifted_logsumexp(self, delta_h: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
         """logsumexp_v(logp_v + delta_h . w_v) for delta_h [m, d], logp [m, V]: float64 [m]."""
         delta_h = delta_h.to(self.weight.dtype)
@@ -190,7 +197,6 @@ def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_hea
     head = LinearHead(module.weight) if fast_head and isinstance(module, nn.Linear) else None
     logp: torch.Tensor | None = None  # [n_seq, T, V] filled in place: no second copy from a cat
     inputs, mean_rows = [], []
-    weight64 = head.weight.detach().double() if head is not None else None
     with torch.inference_mode():
         for start in range(0, len(input_ids), batch):
             ids = torch.as_tensor(input_ids[start : start + batch], device=lm.device)
@@ -205,8 +211,8 @@ def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_hea
             for i, row in enumerate(logits):  # one sequence at a time: float64 [T, V] temporaries stay small
                 row_logp = torch.log_softmax(row.double(), dim=-1)
                 logp[start + i] = row_logp
-                if weight64 is not None:
-                    mean_rows.append(row_logp.exp_() @ weight64)
+                if head is not None:
+                    mean_rows.append(head.expected_row(row_logp.exp_()))
     assert logp is not None, "empty sample"
     if head is None:
         return OriginalOutput(logp)
