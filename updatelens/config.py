@@ -45,7 +45,7 @@ class AnalysisConfig:
     mlp_hidden: int = 256
     mlp_steps: int = 300
     mlp_lr: float = 1e-3
-    anchor_chunk: int = 256  # anchors per batched solve (memory bound)
+    anchor_chunk: int = 64  # anchors per batched solve (64: gathered neighbours stay in cache; measured fastest)
     # geometry
     subspace_ms: tuple[int, ...] = (1, 4, 16, 64)
     energy_threshold: float = 0.9
