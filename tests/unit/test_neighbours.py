@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from updatelens.errors import ConfigError
-from updatelens.neighbours import knn
+from updatelens.neighbours import GPU_MAX_K, gpu_id, knn
 
 
 def sample(n_seq: int = 30, seq: int = 10, d: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -66,3 +66,14 @@ def test_k_above_candidates_is_a_clear_error() -> None:
     x, groups = sample(n_seq=3, seq=10)
     with pytest.raises(ConfigError, match="candidate neighbours"):
         knn(x, groups, 25, exclusion="sequence")
+
+
+def test_cuda_device_without_faiss_gpu_searches_on_the_cpu() -> None:
+    """faiss-cpu has no GPU: a cuda device must give the CPU search's answer, not an error."""
+    import faiss
+
+    x, groups = sample()
+    assert gpu_id("cpu", 16) is None and gpu_id("cuda:0", GPU_MAX_K + 1) is None
+    if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
+        assert gpu_id("cuda:0", 16) is None
+    np.testing.assert_array_equal(knn(x, groups, 8, device="cuda"), knn(x, groups, 8))
