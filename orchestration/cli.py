@@ -316,13 +316,14 @@ def cmd_ui(args: argparse.Namespace) -> int:
     return proc.wait()
 
 
-def _pipeline_run(layers: str, root: Path, home: Path) -> tuple[float, float]:
+def _pipeline_run(layers: str, root: Path, home: Path, device: str = "cpu") -> tuple[float, float]:
     """(pipeline wall s, peak RSS GiB) of `updatelens run --layers ...` in a fresh process."""
     import re
 
     env = dict(os.environ, DAGSTER_HOME=str(home), HF_HUB_OFFLINE="1")
     out = subprocess.run([sys.executable, "-m", "orchestration.cli", "run", "--layers", layers, "--force",
-                          "--data-root", str(root)], env=env, capture_output=True, text=True, check=True).stdout
+                          "--data-root", str(root), "--set", f"device={device}"],
+                         env=env, capture_output=True, text=True, check=True).stdout
     match = re.search(r"pipeline wall time ([0-9.]+) s, peak RSS ([0-9.]+) GiB", out)
     if match is None:
         raise RuntimeError(f"no timing line in the run's output:\n{out[-2000:]}")
@@ -342,6 +343,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from updatelens.capture import capture, kept_mask
     from updatelens.config import AnalysisConfig
     from updatelens.corpus import make_sample
+    from updatelens.errors import ConfigError
     from updatelens.models import load_model
     from updatelens.registry import get_corpus, get_model
 
@@ -350,36 +352,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("updatelens bench: the bench writes to a local data root; pass --data-root PATH", file=sys.stderr)
         return 2
     root = Path(args.data_root or default_data_root())
-    cfg = AnalysisConfig()
-    lm = load_model(get_model("smollm2-135m"))
+    cfg = AnalysisConfig(device=args.device)
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        print(f"updatelens bench: {exc}", file=sys.stderr)
+        return 2
+    if cfg.device != "cpu" and not torch.cuda.is_available():
+        print(f"updatelens bench: --device {cfg.device}, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    device = cfg.device
+    lm = load_model(get_model("smollm2-135m"), device=device)
     sample = make_sample(get_corpus("wiki-embedded"), lm.tokenizer, cfg.n_seq, cfg.seq_len)
     records = [bench.bench_capture(lm, sample.input_ids[:8])]
     cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
     kept = kept_mask(sample.attention_mask, True)
     mid = lm.n_layers // 2
-    f64, f32 = bench.matmul_flops(2048, torch.float64), bench.matmul_flops(4096, torch.float32)
-    records += bench.bench_fits(cap.states[mid][kept], cap.states[mid + 1][kept], np.nonzero(kept)[0], cfg, f64, f32)
-    records += bench.bench_knn(cap.states[1:].reshape(-1, lm.d_model), cfg.k, args.ann_n)
+    f64 = bench.matmul_flops(2048, torch.float64, device=device)
+    f32 = bench.matmul_flops(4096, torch.float32, device=device)
+    records += bench.bench_fits(cap.states[mid][kept], cap.states[mid + 1][kept], np.nonzero(kept)[0], cfg, f64, f32,
+                                device)
+    records += bench.bench_knn(cap.states[1:].reshape(-1, lm.d_model), cfg.k, args.ann_n, device=device)
     records.append(bench.bench_perturbation(lm, sample.input_ids, cap.states, cfg.patch_batch))
     del cap
     ns = tuple(int(n) for n in args.scaling_n.split(","))
     scaling, scaling_records = bench.bench_scaling(ns, (288, 576, 1152), lm.d_model, args.scaling_d_at, cfg)
     records += scaling_records
+    # End to end: two runs centred on the middle layer. A layer's cost falls linearly with its depth
+    # (its patched passes resume there), so the runs' per-layer cost is the mean over all layers:
+    # total = run of 2 + (L - 2) x (run of 4 - run of 2) / 2. RSS: the 4-layer run against the 2-layer one.
+    lo = mid - 1
     with tempfile.TemporaryDirectory() as tmp:
-        t_a, rss_a = _pipeline_run("0-1", Path(tmp) / "a", Path(tmp) / "home")
-        t_b, rss_b = _pipeline_run("0-3", Path(tmp) / "b", Path(tmp) / "home")
+        t_a, rss_a = _pipeline_run(f"{lo}-{lo + 1}", Path(tmp) / "a", Path(tmp) / "home", device)
+        t_b, rss_b = _pipeline_run(f"{lo - 1}-{lo + 2}", Path(tmp) / "b", Path(tmp) / "home", device)
     per_layer = (t_b - t_a) / 2
     t_all = t_a + per_layer * (lm.n_layers - 2)
     records.append(bench.Record("pipeline_peak_rss_gib", rss_b, "GiB", rss_a, rss_b / rss_a, "<= 3 GiB, flat in layers",
-                                rss_b <= 3 and rss_b / rss_a <= 1.1, "4-layer run vs 2-layer run (reference)"))
+                                rss_b <= 3 and rss_b / rss_a <= 1.1, "4-layer run vs 2-layer run (reference)", device))
     records.append(bench.Record("pipeline_end_to_end_s", t_all, "s", None, None, "<= 480 s", t_all <= 480,
-                                f"extrapolated to {lm.n_layers} layers from runs of 2 ({t_a:.0f} s) and 4 ({t_b:.0f} s) "
-                                f"layers; early layers are the costliest to patch, so this overestimates"))
+                                f"estimated for {lm.n_layers} layers from runs of layers {lo}-{lo + 1} ({t_a:.0f} s) "
+                                f"and {lo - 1}-{lo + 2} ({t_b:.0f} s): {per_layer:.1f} s per layer", device))
     print(bench.scaling_table(scaling))
     print()
     print(bench.table(records))
     path = root / "bench" / "bench.json"
-    bench.write_json(records, path, device="cpu", scaling=scaling)
+    bench.write_json(records, path, scaling=scaling)
     print(f"\nwritten {path}")
     return 0
 
@@ -450,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_cmd = sub.add_parser("bench", help="benchmark every hot stage against same-run references")
     bench_cmd.add_argument("--data-root")
+    bench_cmd.add_argument("--device", default="cpu",
+                           help="cpu or cuda[:i]: where the model, fits and (with faiss-gpu) exact search run; "
+                                "recorded with every figure")
     bench_cmd.add_argument("--ann-n", type=int, default=200000,
                            help="size of the approximate-index benchmark (exact search time is extrapolated "
                                 "from 1000 queries; HNSW is built and queried for all)")
