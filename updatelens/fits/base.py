@@ -11,8 +11,6 @@ Every map is linear-through-the-origin or x + g(x): no intercept, so T is truly 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -35,23 +33,3 @@ def ridge_from_gram_diag(gram_diag_sum: torch.Tensor, dim: int, ridge: float) ->
     """lambda = ridge * trace(G) / dim, the mean eigenvalue of a normal matrix G."""
     return ridge * gram_diag_sum / dim
 
-
-_POOL: ThreadPoolExecutor | None = None
-
-
-def per_thread(fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], batch: torch.Tensor
-               ) -> tuple[torch.Tensor, ...]:
-    """fn over a batch of small matrices, the batch split across torch's CPU threads.
-
-    torch runs a batched eigh/QR/SVD on the CPU as a loop of LAPACK calls on one thread; the
-    calls release the GIL, so slices of the batch in a thread each use every core (measured on
-    2 cores: eigh of 256 x 64 x 64 in 0.036 s instead of 0.056 s). Same calls, same results.
-    On an accelerator, or for small batches, fn runs once on the whole batch."""
-    global _POOL
-    workers = torch.get_num_threads()
-    if batch.device.type != "cpu" or workers < 2 or len(batch) < 2 * workers:
-        return fn(batch)
-    if _POOL is None or _POOL._max_workers != workers:
-        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="updatelens-lapack")
-    parts = list(_POOL.map(fn, batch.chunk(workers)))
-    return tuple(torch.cat(outs) for outs in zip(*parts))

@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from updatelens.fits.base import FitParams, LocalFit, per_thread
-
-
-def _eigh(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.linalg.eigh(a))
+from updatelens.fits.base import FitParams, LocalFit
 
 
 def fit_lowrank(X: torch.Tensor, D: torch.Tensor, anchors: torch.Tensor, params: FitParams) -> LocalFit:
@@ -30,13 +26,13 @@ def fit_lowrank(X: torch.Tensor, D: torch.Tensor, anchors: torch.Tensor, params:
     k = K.shape[1]
     tiny = torch.finfo(K.dtype).tiny
     lam = params.ridge * K.diagonal(dim1=1, dim2=2).sum(dim=1) / k  # [n]
-    evals, evecs = per_thread(_eigh, K)  # ascending
+    evals, evecs = torch.linalg.eigh(K)  # ascending
     evals = evals.clamp_min(0.0)
     inv = 1.0 / (evals + lam[:, None]).clamp_min(tiny)  # [n, k]
     s = evals * inv  # [n, k]
     Pw = evecs.transpose(1, 2) @ P @ evecs  # [n, k, k] = C C^T with C = W^T D
     H = s[:, :, None] * Pw * s[:, None, :]  # [n, k, k]: F F^T in the eigenbasis
-    s2, U = per_thread(_eigh, H)
+    s2, U = torch.linalg.eigh(H)
     r = min(params.rank, k)
     s2_top, U_top = s2[:, -r:], U[:, :, -r:]  # [n, r], [n, k, r]
     floor = s2[:, -1:].clamp_min(0.0) * (torch.finfo(K.dtype).eps * 10)

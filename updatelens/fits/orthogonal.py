@@ -14,21 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from updatelens.fits.base import FitParams, LocalFit, per_thread
-
-
-def _qr(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return (torch.linalg.qr(a, mode="reduced").Q,)
-
-
-def _svd(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.linalg.svd(a))
+from updatelens.fits.base import FitParams, LocalFit
 
 
 def fit_orthogonal(X: torch.Tensor, D: torch.Tensor, anchors: torch.Tensor, params: FitParams) -> LocalFit:
     n, k, d = X.shape
     stacked = torch.cat([X, D], dim=1).transpose(1, 2)  # [n, d, 2k]: span(X, D) = span(X, Y)
-    (B,) = per_thread(_qr, stacked)  # [n, d, m], m = min(d, 2k); the solution does not depend on the basis
+    B, _ = torch.linalg.qr(stacked, mode="reduced")  # [n, d, m], m = min(d, 2k); the solution does not depend on the basis
     m = B.shape[2]
     Xb = X @ B  # [n, k, m]
     Yb = Xb + D @ B
@@ -36,7 +28,7 @@ def fit_orthogonal(X: torch.Tensor, D: torch.Tensor, anchors: torch.Tensor, para
     x_energy = (X * X).sum(dim=(1, 2))
     lam = params.ridge * x_energy / m
     eye = torch.eye(m, dtype=X.dtype, device=X.device)
-    U, S, Vh = per_thread(_svd, M + lam[:, None, None] * eye)
+    U, S, Vh = torch.linalg.svd(M + lam[:, None, None] * eye)
     Qb = U @ Vh
     if params.orthogonal_scale:
         s = (Qb * M).sum(dim=(1, 2)) / x_energy.clamp_min(torch.finfo(X.dtype).tiny)
