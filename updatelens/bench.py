@@ -21,7 +21,7 @@ from updatelens.capture import capture
 from updatelens.config import AnalysisConfig
 from updatelens.fits import FitParams, fit_local_batched
 from updatelens.models import LoadedModel
-from updatelens.neighbours import gpu_id, knn, prepare
+from updatelens.neighbours import exclusion_width, knn, prepare, search_device
 from updatelens.perturbation import Variant, original_output, patched_kl
 
 
@@ -144,8 +144,7 @@ def bench_knn(vectors: np.ndarray, k: int, ann_n: int, seed: int = 0, device: st
     n_exact = min(20000, len(vectors))
     x = vectors[:n_exact]
     groups = np.arange(n_exact) // 127
-    gpu = gpu_id(device, k + int(np.bincount(groups).max()))
-    knn_device = "cpu" if gpu is None else f"cuda:{gpu}"
+    knn_device = search_device(device, k + exclusion_width(groups, "sequence"))
     t_knn = timeit(lambda: knn(x, groups, k, device=knn_device), reps=2)
     v, _ = prepare(x, "cosine_centered")
     tv = torch.as_tensor(v, device=knn_device)
@@ -229,9 +228,11 @@ def bench_scaling(ns: tuple[int, ...], ds: tuple[int, ...], d_at: int, n_at: int
         out["geometry"] = time.perf_counter() - start
         return out
 
-    stages(*synthetic_layer(min(ns), d_at))  # warm-up
-    where = {"neighbours (exact)": "cpu" if gpu_id(cfg.device, cfg.k) is None else cfg.device,
-             "fit lowrank f64": cfg.device, "geometry": "cpu"}
+    warm_up = synthetic_layer(min(ns), d_at)
+    stages(*warm_up)
+    # every synthetic layer has the same sequence length, so the same search width
+    knn_where = search_device(cfg.device, cfg.k + exclusion_width(warm_up[2], cfg.exclusion))
+    where = {"neighbours (exact)": knn_where, "fit lowrank f64": cfg.device, "geometry": "cpu"}
     rows = []
     for n in ns:
         rows += [ScalingRow(stage, n, d_at, t, where[stage]) for stage, t in stages(*synthetic_layer(n, d_at)).items()]

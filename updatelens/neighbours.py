@@ -34,6 +34,12 @@ def gpu_id(device: str, search_k: int) -> int | None:
     return int(device.split(":", 1)[1]) if ":" in device else 0
 
 
+def search_device(device: str, search_k: int) -> str:
+    """Where `knn` searches for a configured device: "cuda:i" or "cpu" (see `gpu_id`)."""
+    gpu = gpu_id(device, search_k)
+    return "cpu" if gpu is None else f"cuda:{gpu}"
+
+
 def build_index(v: np.ndarray, faiss_metric: int, kind: str, seed: int = 0, gpu: int | None = None) -> faiss.Index:
     n, d = v.shape
     if kind == "exact":

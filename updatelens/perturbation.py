@@ -175,7 +175,7 @@ class OriginalOutput:
         logp = self.logp[index]
         if self.head is None:
             logq = torch.log_softmax(out.float(), dim=-1).to(logp.device)
-            return kl_rows(logp, logq).double().clamp_min(0.0)
+            return kl_rows(logp, logq).double()  # clamped at 0 by kl_rows
         assert self.head_input is not None and self.mean_row is not None
         delta_h = out - self.head_input[index]
         shape = delta_h.shape[:-1]
