@@ -146,7 +146,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """A Celery worker for the `celery` profile (replaces this process)."""
     import socket
 
-    os.environ["UPDATELENS_PROFILE"] = "celery"
+    from orchestration.deployments import PROFILE_ENV
+
+    os.environ[PROFILE_ENV] = "celery"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     name = args.name or f"{args.queues.replace(',', '-')}-{os.getpid()}@{socket.gethostname()}"
     cmd = ["celery", "-A", "orchestration.celery_app", "worker", "-Q", args.queues, "-n", name,

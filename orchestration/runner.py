@@ -133,7 +133,7 @@ def materialize_model(model: str, lens: UpdateLensResource, instance: dg.Dagster
             instance=instance,
             resources={"lens": lens},
             tags=range_tags([keys[layer] for layer in chosen]),
-            run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
+            run_config=log_config(log_level),
             raise_on_error=raise_on_error,
         )
 
@@ -147,10 +147,14 @@ def analyse_job() -> dg.JobDefinition:
     return build_defs(active_profile()).resolve_job_def("analyse")
 
 
+def log_config(log_level: str) -> dict[str, object]:
+    """Run config for the console logger's level."""
+    return {"loggers": {"console": {"config": {"log_level": log_level}}}}
+
+
 def lens_run_config(lens: UpdateLensResource, log_level: str = "INFO") -> dict[str, object]:
     """The resource as run config: a run executed elsewhere rebuilds it from the stored run."""
-    return {"resources": {"lens": {"config": lens.model_dump()}},
-            "loggers": {"console": {"config": {"log_level": log_level}}}}
+    return {"resources": {"lens": {"config": lens.model_dump()}}, **log_config(log_level)}
 
 
 def check_verdicts(result: dg.ExecutionResult) -> list[tuple[str, bool, str]]:
