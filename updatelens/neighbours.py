@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import faiss
 import numpy as np
+import torch
 
 from updatelens.errors import ConfigError
 
@@ -62,6 +65,55 @@ def build_index(v: np.ndarray, faiss_metric: int, kind: str, seed: int = 0, gpu:
     return index
 
 
+def clustered_search(v: np.ndarray, faiss_metric: int, search_k: int, seed: int = 0, device: str = "cpu",
+                     nlist: int | None = None, nprobe: int = 5, block_entries: int = 1 << 25) -> np.ndarray:
+    """Approximate search_k nearest rows of v for every row of v (all points are queries), [n, search_k],
+    nearest first, -1 where a query's clusters hold fewer candidates.
+
+    k-means (faiss) splits the rows into nlist clusters (default 2.3 sqrt(n)) and each query probes its
+    nprobe nearest centroids, as in an IVF index. Queries are then grouped by their nearest cluster and
+    each group is searched exactly against the members of every cluster its queries probe, as one matrix
+    product and top-k on `device`. Faiss's CPU IVF scans the lists query by query (memory-bound) and
+    faiss.knn on ~200-query blocks ran at 32 GFLOP/s here against 99 for torch's product; batching a
+    cluster's queries keeps the search BLAS-bound. Measured on SmolLM2 states at n = 200k, k = 64 (2 cores):
+    recall@64 0.965 in 44 s against 296 s for exact search (6.7x; HNSW: 0.967 in 80 s).
+    """
+    n, d = v.shape
+    nlist = max(1, min(n, nlist or round(2.3 * math.sqrt(n))))
+    nprobe = min(nprobe, nlist)
+    spherical = faiss_metric == faiss.METRIC_INNER_PRODUCT
+    kmeans = faiss.Kmeans(d, nlist, niter=10, seed=seed, spherical=spherical, min_points_per_centroid=1,
+                          max_points_per_centroid=64)
+    kmeans.train(v)
+    centroids = faiss.IndexFlat(d, faiss_metric)
+    centroids.add(kmeans.centroids)
+    _, probes = centroids.search(v, nprobe)  # [n, nprobe], nearest first
+    order = np.argsort(probes[:, 0], kind="stable")
+    bounds = np.searchsorted(probes[order, 0], np.arange(nlist + 1))
+    members = [order[bounds[c] : bounds[c + 1]] for c in range(nlist)]
+    vt = torch.as_tensor(v, device=device)
+    # L2: rank by 2 q.c - |c|^2 (|q|^2 is the same for all of a query's candidates)
+    sq_norms = None if spherical else (vt * vt).sum(dim=1)
+    found = np.full((n, search_k), -1, dtype=np.int64)
+    for c in range(nlist):
+        queries = members[c]
+        if len(queries) == 0:
+            continue
+        cand = np.concatenate([members[j] for j in np.unique(probes[queries])])
+        cand_t = torch.as_tensor(cand, device=device)
+        base = vt[cand_t]
+        width = min(search_k, len(cand))
+        step = max(1, block_entries // len(cand))
+        for start in range(0, len(queries), step):
+            rows = queries[start : start + step]
+            scores = vt[torch.as_tensor(rows, device=device)] @ base.T
+            if sq_norms is not None:
+                scores = 2 * scores - sq_norms[cand_t][None, :]
+            top = torch.topk(scores, width, dim=1).indices
+            found[rows, :width] = cand[top.cpu().numpy()]
+    return found
+
+
 def exclusion_width(groups: np.ndarray, exclusion: str) -> int:
     if exclusion == "sequence":
         return int(np.bincount(groups).max())
@@ -74,8 +126,10 @@ def knn(x: np.ndarray, groups: np.ndarray, k: int, metric: str = "cosine_centere
 
     exclusion: "sequence" drops every token of the anchor's own group (its sequence), "self" only
     the anchor (the fit is evaluated at the anchor out of sample), "none" nothing: the anchor is
-    then usually its own nearest neighbour and the fit sees it in sample. device "cuda[:i]"
-    searches on that GPU where faiss-gpu is installed (exact and IVF indexes), else on the CPU.
+    then usually its own nearest neighbour and the fit sees it in sample. index: "exact" (faiss
+    flat), or approximate for large N: "clustered" (see `clustered_search`; the fastest at recall
+    >= 0.95 measured here), "hnsw", "ivf" (faiss). device "cuda[:i]" searches on that GPU: the
+    clustered products with torch, exact and IVF where faiss-gpu is installed; else on the CPU.
     """
     n = len(x)
     groups = np.asarray(groups)
@@ -86,13 +140,16 @@ def knn(x: np.ndarray, groups: np.ndarray, k: int, metric: str = "cosine_centere
                           f"exclusion={exclusion!r}; lower k")
     v, faiss_metric = prepare(x, metric)
     search_k = min(n, k + extra)
-    faiss_index = build_index(v, faiss_metric, index, seed, gpu_id(device, search_k))
-    if index == "hnsw":
-        # measured on SmolLM2 states at N = 200k, k = 64, M = 32: recall@k 0.954 with efSearch 2(k+1),
-        # 0.967 with 3(k+1), 0.974 with 4(k+1); build ~40 s + search 36-60 s on 2 cores, against an exact
-        # search of 280-360 s: 3.5-5x. 3(k+1) keeps a margin over recall 0.95.
-        faiss_index.hnsw.efSearch = max(64, 3 * (k + extra))
-    _, found = faiss_index.search(v, search_k)
+    if index == "clustered":
+        found = clustered_search(v, faiss_metric, search_k, seed, device)
+    else:
+        faiss_index = build_index(v, faiss_metric, index, seed, gpu_id(device, search_k))
+        if index == "hnsw":
+            # measured on SmolLM2 states at N = 200k, k = 64, M = 32: recall@k 0.954 with efSearch 2(k+1),
+            # 0.967 with 3(k+1), 0.974 with 4(k+1); build ~26 s + search 40-54 s on 2 cores, against an
+            # exact search of 250-300 s: 3-4x. 3(k+1) keeps a margin over recall 0.95.
+            faiss_index.hnsw.efSearch = max(64, 3 * (k + extra))
+        _, found = faiss_index.search(v, search_k)
     rows = np.arange(n)[:, None]
     drop = found < 0
     if exclusion in ("sequence", "self"):

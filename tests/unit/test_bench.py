@@ -28,14 +28,14 @@ def test_bench_records_on_a_tiny_model(tiny_models: dict, tmp_path: Path) -> Non
                bench.bench_perturbation(lm, ids, cap.states, 4)]
     names = {r.name for r in records}
     assert {"capture_tokens_per_s", "fit_lowrank_f64_flops", "fit_orthogonal_f32_flops", "fit_lowrank_speedup_vs_loop",
-            "knn_exact_seconds", "knn_hnsw_recall_at_k", "knn_hnsw_speedup", "perturbation_all_layers_seconds"} <= names
+            "knn_exact_seconds", "knn_ann_recall_at_k", "knn_ann_speedup", "perturbation_all_layers_seconds"} <= names
     for r in records:
         assert r.value > 0 and np.isfinite(r.value)
         if r.target:
             assert r.met in (True, False)
     capture_record = records[0]
     assert abs(capture_record.ratio - capture_record.value / capture_record.reference) < 1e-9
-    recall = next(r for r in records if r.name == "knn_hnsw_recall_at_k")
+    recall = next(r for r in records if r.name == "knn_ann_recall_at_k")
     assert 0 <= recall.value <= 1
     path = tmp_path / "bench" / "bench.json"
     bench.write_json(records, path)

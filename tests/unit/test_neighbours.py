@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from updatelens.errors import ConfigError
-from updatelens.neighbours import GPU_MAX_K, gpu_id, knn
+from updatelens.neighbours import GPU_MAX_K, clustered_search, gpu_id, knn, prepare
 
 
 def sample(n_seq: int = 30, seq: int = 10, d: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -52,7 +52,7 @@ def test_l2_metric_uses_raw_distances() -> None:
     assert np.array_equal(nb[:, 0], dist.argmin(axis=1))
 
 
-@pytest.mark.parametrize("index", ["hnsw", "ivf"])
+@pytest.mark.parametrize("index", ["clustered", "hnsw", "ivf"])
 def test_approximate_indexes_have_high_recall_and_respect_exclusion(index: str) -> None:
     x, groups = sample(n_seq=200, seq=10, d=16)
     exact = knn(x, groups, 10)
@@ -60,6 +60,46 @@ def test_approximate_indexes_have_high_recall_and_respect_exclusion(index: str) 
     recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(exact, approx)])
     assert recall > 0.8
     assert not np.any(groups[approx] == groups[:, None])
+
+
+@pytest.mark.parametrize("metric", ["cosine_centered", "l2"])
+def test_clustered_search_probing_every_cluster_is_exact_search(metric: str) -> None:
+    """With every cluster probed each query meets every row: the answer is the exact one."""
+    x, _ = sample(n_seq=40, seq=10, d=12)
+    v, faiss_metric = prepare(x, metric)
+    import faiss
+
+    flat = faiss.IndexFlat(v.shape[1], faiss_metric)
+    flat.add(v)
+    _, want = flat.search(v, 9)
+    got = clustered_search(v, faiss_metric, 9, nlist=6, nprobe=6, block_entries=500)  # several row blocks
+    assert all(set(a) == set(b) for a, b in zip(got, want))
+    np.testing.assert_array_equal(got[:, 0], np.arange(len(v)))  # each row is its own nearest
+
+
+def test_clustered_search_marks_missing_candidates_and_knn_falls_back_to_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A query whose probed clusters hold fewer rows than asked gets -1s; knn completes those rows exactly."""
+    import updatelens.neighbours as neighbours
+
+    completed: list[int] = []
+    exact_rows = neighbours.knn_exact_rows
+
+    def recording(v, groups, k, exclusion, faiss_metric, rows):  # type: ignore[no-untyped-def]
+        completed.extend(rows.tolist())
+        return exact_rows(v, groups, k, exclusion, faiss_metric, rows)
+
+    monkeypatch.setattr(neighbours, "knn_exact_rows", recording)
+    rng = np.random.default_rng(3)
+    # two far-apart blobs of 20 rows: one probed cluster holds 20 candidates, fewer than 30
+    x = np.concatenate([rng.standard_normal((20, 6)) + 40, rng.standard_normal((20, 6)) - 40]).astype(np.float32)
+    v, faiss_metric = prepare(x, "l2")
+    found = clustered_search(v, faiss_metric, 30, nlist=2, nprobe=1)
+    assert (found[:, 20:] == -1).all() and (found[:, :20] >= 0).all()
+    groups = np.arange(40)
+    got = knn(x, groups, 25, metric="l2", exclusion="self", index="clustered")
+    assert len(completed) > 0  # rows whose probed clusters held fewer than 26 candidates
+    want = knn(x, groups, 25, metric="l2", exclusion="self")
+    assert all(set(a) == set(b) for a, b in zip(got, want))
 
 
 def test_k_above_candidates_is_a_clear_error() -> None:
