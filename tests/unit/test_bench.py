@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -82,3 +83,10 @@ def test_peak_memory_of_a_subprocess_excludes_its_parent() -> None:
     code = "from orchestration.cli import _peak_rss_gib; print(_peak_rss_gib())"
     child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert parent.sum() > 0 and child < 0.3
+
+
+def test_timeit_pair_alternates_and_returns_each_functions_median() -> None:
+    calls: list[str] = []
+    t_a, t_b = bench.timeit_pair(lambda: calls.append("a"), lambda: (calls.append("b"), time.sleep(0.02)), reps=4)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]  # warm-ups, then a b / b a / ...
+    assert t_b > 0.015 > t_a
