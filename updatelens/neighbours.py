@@ -102,13 +102,14 @@ def clustered_search(v: np.ndarray, faiss_metric: int, search_k: int, seed: int 
         runs = [(bounds[j], bounds[j + 1]) for j in np.unique(probes[order[lo:hi]])]
         cand = np.concatenate([np.arange(a, b) for a, b in runs])  # positions in sorted order
         base = torch.cat([sorted_v[a:b] for a, b in runs])  # contiguous copies, no row gather
+        base_sq = None if sq_norms is None else torch.cat([sq_norms[a:b] for a, b in runs])[None, :]
         width = min(search_k, len(cand))
         step = max(1, block_entries // len(cand))
         for start in range(lo, hi, step):
             stop = min(hi, start + step)
             scores = sorted_v[start:stop] @ base.T
-            if sq_norms is not None:
-                scores = 2 * scores - torch.cat([sq_norms[a:b] for a, b in runs])[None, :]
+            if base_sq is not None:
+                scores = 2 * scores - base_sq
             top = torch.topk(scores, width, dim=1).indices.cpu().numpy()
             found[order[start:stop], :width] = order[cand[top]]
     return found
