@@ -32,4 +32,3 @@ class LocalFit:
 def ridge_from_gram_diag(gram_diag_sum: torch.Tensor, dim: int, ridge: float) -> torch.Tensor:
     """lambda = ridge * trace(G) / dim, the mean eigenvalue of a normal matrix G."""
     return ridge * gram_diag_sum / dim
-

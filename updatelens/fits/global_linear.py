@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from updatelens.fits.base import FitParams
+from updatelens.fits.base import FitParams, ridge_from_gram_diag
 
 
 def fit_global_linear(X: torch.Tensor, Y: torch.Tensor, params: FitParams) -> tuple[torch.Tensor, float]:
     """Returns (B [d, d], condition number of the regularised normal matrix)."""
     G = X.T @ X
     d = G.shape[0]
-    lam = params.ridge * torch.trace(G) / d
+    lam = ridge_from_gram_diag(torch.trace(G), d, params.ridge)
     A = G + lam * torch.eye(d, dtype=G.dtype, device=G.device)
     B = torch.linalg.solve(A, X.T @ (Y - X))
     evals = torch.linalg.eigvalsh(A)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from updatelens.fits.base import FitParams, LocalFit
+from updatelens.fits.base import FitParams, LocalFit, ridge_from_gram_diag
 
 
 def fit_lowrank(X: torch.Tensor, D: torch.Tensor, anchors: torch.Tensor, params: FitParams) -> LocalFit:
@@ -25,7 +25,7 @@ def fit_lowrank(X: torch.Tensor, D: torch.Tensor, anchors: torch.Tensor, params:
     P = D @ D.transpose(1, 2)  # [n, k, k]
     k = K.shape[1]
     tiny = torch.finfo(K.dtype).tiny
-    lam = params.ridge * K.diagonal(dim1=1, dim2=2).sum(dim=1) / k  # [n]
+    lam = ridge_from_gram_diag(K.diagonal(dim1=1, dim2=2).sum(dim=1), k, params.ridge)  # [n]
     evals, evecs = torch.linalg.eigh(K)  # ascending
     evals = evals.clamp_min(0.0)
     inv = 1.0 / (evals + lam[:, None]).clamp_min(tiny)  # [n, k]

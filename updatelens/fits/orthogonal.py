@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from updatelens.fits.base import FitParams, LocalFit
+from updatelens.fits.base import FitParams, LocalFit, ridge_from_gram_diag
 
 
 def fit_orthogonal(X: torch.Tensor, D: torch.Tensor, anchors: torch.Tensor, params: FitParams) -> LocalFit:
@@ -26,7 +26,7 @@ def fit_orthogonal(X: torch.Tensor, D: torch.Tensor, anchors: torch.Tensor, para
     Yb = Xb + D @ B
     M = Yb.transpose(1, 2) @ Xb  # [n, m, m]
     x_energy = (X * X).sum(dim=(1, 2))
-    lam = params.ridge * x_energy / m
+    lam = ridge_from_gram_diag(x_energy, m, params.ridge)  # x_energy = trace(X X^T)
     eye = torch.eye(m, dtype=X.dtype, device=X.device)
     U, S, Vh = torch.linalg.svd(M + lam[:, None, None] * eye)
     Qb = U @ Vh
