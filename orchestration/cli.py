@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "recorded with every figure")
     bench_cmd.add_argument("--ann-n", type=int, default=200000,
                            help="size of the approximate-index benchmark (exact search time is extrapolated "
-                                "from 1000 queries; HNSW is built and queried for all)")
+                                "from 1000 queries; the clustered index is built and queried for all)")
     bench_cmd.add_argument("--scaling-n", default="2048,8192,16384",
                            help="token counts of the scaling sweep (32768 adds about a minute)")
     bench_cmd.add_argument("--scaling-d-at", type=int, default=2048, help="N at which d is varied (288, 576, 1152)")

@@ -267,12 +267,11 @@ def bench_scaling(ns: tuple[int, ...], ds: tuple[int, ...], d_at: int, n_at: int
             rows += [ScalingRow(stage, n_at, d, t, where[stage])
                      for stage, t in stages(*synthetic_layer(n_at, d)).items()]
     fit_times = {r.n: r.seconds for r in rows if r.stage == "fit lowrank f64" and r.d == d_at}
-    lo, hi = min(fit_times), max(fit_times)
     sizes = sorted(fit_times)
     exponent = float(np.polyfit(np.log(sizes), np.log([fit_times[n] for n in sizes]), 1)[0])
     record = Record("fit_lowrank_scaling_exponent_in_n", exponent, "", None, None, "<= 1.1 (linear in N)",
                     exponent <= 1.1, f"time ~ N^exponent fitted over N={', '.join(map(str, sizes))} "
-                                     f"({fit_times[lo]:.1f} s to {fit_times[hi]:.1f} s), d={d_at}, k={cfg.k}")
+                                     f"({fit_times[sizes[0]]:.1f} s to {fit_times[sizes[-1]]:.1f} s), d={d_at}, k={cfg.k}")
     return rows, [record]
 
 
