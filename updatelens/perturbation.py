@@ -154,9 +154,6 @@ class OriginalOutput:
     head_input: torch.Tensor | None = None  # [n_seq, T, d] h_p, the head's input
     mean_row: torch.Tensor | None = None  # [n_seq, T, d] float64: sum_v p_v w_v
 
-    def __len__(self) -> int:
-        return len(self.logp)
-
     def subset(self, seqs: slice | list[int]) -> OriginalOutput:
         """The same for a subset of the sequences."""
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
