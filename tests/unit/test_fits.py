@@ -169,6 +169,48 @@ def test_batched_fit_equals_per_anchor_reference(fn_class: str) -> None:
         np.testing.assert_allclose(fast[i], ref, rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.parametrize("fn_class", ["lowrank", "orthogonal"])
+def test_threaded_chunks_equal_one_stream(fn_class: str) -> None:
+    """Chunks on three worker threads (torch single-threaded meanwhile) give the serial result, in
+    anchor order, and torch's thread count is back afterwards."""
+    rng = np.random.default_rng(12)
+    x, groups = data(12)
+    y = x + np.tanh(x @ rng.standard_normal((D, D)) / 4)
+    nb = knn(x, groups, 24)
+    params = FitParams(rank=3, ridge=1e-2)
+    threads = torch.get_num_threads()
+    serial = fit_local_batched(fn_class, x, y, nb, params, torch.float64, chunk=29, workers=1)
+    threaded = fit_local_batched(fn_class, x, y, nb, params, torch.float64, chunk=29, workers=3)
+    assert torch.get_num_threads() == threads
+    np.testing.assert_allclose(threaded.tx.numpy(), serial.tx.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(threaded.cond.numpy(), serial.cond.numpy(), rtol=1e-8)
+
+
+def test_threaded_chunks_restore_torch_threads_when_a_fit_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    import updatelens.fits as fits
+
+    def failing(X: torch.Tensor, D_: torch.Tensor, anchors: torch.Tensor, params: FitParams) -> None:
+        assert torch.get_num_threads() == 1  # the workers run torch single-threaded
+        raise RuntimeError("fit failed")
+
+    monkeypatch.setitem(fits.LOCAL_FITTERS, "lowrank", failing)
+    x, groups = data(13)
+    nb = knn(x, groups, 8)
+    threads = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="fit failed"):
+        fit_local_batched("lowrank", x, x, nb, FitParams(rank=2, ridge=1e-2), chunk=50, workers=2)
+    assert torch.get_num_threads() == threads
+
+
+def test_default_workers_thread_only_the_lapack_bound_classes_on_the_cpu() -> None:
+    from updatelens.fits import default_workers
+
+    assert default_workers("lowrank", "cpu") == torch.get_num_threads()
+    assert default_workers("orthogonal", "cpu") == torch.get_num_threads()
+    assert default_workers("diagonal", "cpu") == 1
+    assert default_workers("lowrank", "cuda") == 1
+
+
 def test_orthogonal_span_solution_is_identity_outside_the_data_span() -> None:
     """With d > 2k, the map is only determined on span(X, Y); outside it Q is the identity."""
     rng = np.random.default_rng(11)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +27,13 @@ LOCAL_FITTERS: dict[str, LocalFitter] = {
     "orthogonal": fit_orthogonal,
 }
 
-__all__ = ["LOCAL_FITTERS", "FitParams", "LayerFit", "fit_layer", "fit_local_batched"]
+# Classes whose per-anchor work is dominated by small LAPACK calls (k x k eigh, QR, SVD). A batched
+# LAPACK call runs its matrices one after another on one core whatever torch's thread count, so on
+# the CPU these classes run their chunks on one worker thread per core, each single-threaded (about
+# 1.7x for lowrank, 2.2x for orthogonal on 2 cores). The diagonal classes are memory-bound and lose.
+THREADED_CLASSES = frozenset({"lowrank", "orthogonal"})
+
+__all__ = ["LOCAL_FITTERS", "THREADED_CLASSES", "FitParams", "LayerFit", "fit_layer", "fit_local_batched"]
 
 
 @dataclass
@@ -40,22 +48,55 @@ def _torch_dtype(name: str) -> torch.dtype:
     return torch.float64 if name == "float64" else torch.float32
 
 
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Within the context torch's intra-op thread count is n; the previous count is restored on
+    exit, also when the body fails. The setting is process-wide."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def default_workers(fn_class: str, device: str) -> int:
+    """Worker threads `fit_local_batched` uses when not told: torch's thread count for the
+    LAPACK-bound classes on the CPU, otherwise 1 (one stream of batched calls)."""
+    if fn_class in THREADED_CLASSES and torch.device(device).type == "cpu":
+        return torch.get_num_threads()
+    return 1
+
+
 def fit_local_batched(fn_class: str, x: np.ndarray, y: np.ndarray, neighbours: np.ndarray,
                       params: FitParams, dtype: torch.dtype = torch.float64, chunk: int = 256,
-                      device: str = "cpu") -> LocalFit:
-    """One fit per anchor, batched in chunks of anchors (no Python loop per anchor)."""
+                      device: str = "cpu", workers: int | None = None) -> LocalFit:
+    """One fit per anchor, batched in chunks of anchors (no Python loop per anchor).
+
+    With workers > 1 the chunks run on that many threads, torch single-threaded meanwhile (see
+    THREADED_CLASSES); the result is the same chunk by chunk (to BLAS rounding) and in order."""
     fitter = LOCAL_FITTERS[fn_class]
     X_all = torch.as_tensor(x, device=device).to(dtype)
     D_all = torch.as_tensor(y, device=device).to(dtype) - X_all  # once: each token is in ~k neighbourhoods
     nb = torch.as_tensor(neighbours, device=device)
-    txs, conds = [], []
-    # anchor i is token i: neighbours may cover only the first anchors (e.g. a sanity subsample)
-    for start in range(0, len(nb), chunk):
+
+    def one(start: int) -> LocalFit:
+        # anchor i is token i: neighbours may cover only the first anchors (e.g. a sanity subsample)
+        # index_select, not X_all[idx]: the same gather, ~9x faster than advanced indexing on the CPU
         idx = nb[start : start + chunk]
-        res = fitter(X_all[idx], D_all[idx], X_all[start : start + len(idx)], params)
-        txs.append(res.tx)
-        conds.append(res.cond)
-    return LocalFit(tx=torch.cat(txs), cond=torch.cat(conds))
+        flat = idx.reshape(-1)
+        X = X_all.index_select(0, flat).view(*idx.shape, -1)
+        D = D_all.index_select(0, flat).view(*idx.shape, -1)
+        return fitter(X, D, X_all[start : start + len(idx)], params)
+
+    starts = range(0, len(nb), chunk)
+    n_workers = min(default_workers(fn_class, device) if workers is None else workers, len(starts))
+    if n_workers > 1:
+        with torch_threads(1), ThreadPoolExecutor(n_workers) as pool:
+            results = list(pool.map(one, starts))
+    else:
+        results = [one(start) for start in starts]
+    return LocalFit(tx=torch.cat([r.tx for r in results]), cond=torch.cat([r.cond for r in results]))
 
 
 def _folds(groups: np.ndarray, n_folds: int) -> np.ndarray:
