@@ -3,6 +3,8 @@ reference written the plain way (numpy lstsq / SVD per anchor)."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -189,17 +191,24 @@ def test_threaded_chunks_equal_one_stream(fn_class: str) -> None:
 def test_threaded_chunks_restore_torch_threads_when_a_fit_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     import updatelens.fits as fits
 
-    def failing(X: torch.Tensor, D_: torch.Tensor, anchors: torch.Tensor, params: FitParams) -> None:
+    calls: list[int] = []
+
+    def failing(X: torch.Tensor, D_: torch.Tensor, anchors: torch.Tensor, params: FitParams) -> object:
         assert torch.get_num_threads() == 1  # the workers run torch single-threaded
-        raise RuntimeError("fit failed")
+        calls.append(len(anchors))
+        if len(calls) == 1:
+            raise RuntimeError("fit failed")
+        time.sleep(0.05)
+        return fits.fit_diagonal(X, D_, anchors, params)
 
     monkeypatch.setitem(fits.LOCAL_FITTERS, "lowrank", failing)
-    x, groups = data(13)
+    x, groups = data(13)  # 480 anchors: 48 chunks of 10
     nb = knn(x, groups, 8)
     threads = torch.get_num_threads()
     with pytest.raises(RuntimeError, match="fit failed"):
-        fit_local_batched("lowrank", x, x, nb, FitParams(rank=2, ridge=1e-2), chunk=50, workers=2)
+        fit_local_batched("lowrank", x, x, nb, FitParams(rank=2, ridge=1e-2), chunk=10, workers=2)
     assert torch.get_num_threads() == threads
+    assert len(calls) < 10  # the chunks not yet started when the first failed were cancelled
 
 
 def test_default_workers_thread_only_the_lapack_bound_classes_on_the_cpu() -> None:
