@@ -37,6 +37,10 @@ def test_bench_records_on_a_tiny_model(tiny_models: dict, tmp_path: Path) -> Non
             assert r.met in (True, False)
     capture_record = records[0]
     assert abs(capture_record.ratio - capture_record.value / capture_record.reference) < 1e-9
+    perturbation = records[-1]
+    n_bare = len(range(0, lm.n_layers, max(1, lm.n_layers // 6))) + 1  # spread through the patched passes
+    assert f"median of {n_bare} spread" in perturbation.note
+    assert abs(perturbation.ratio - perturbation.value / perturbation.reference) < 1e-9
     recall = next(r for r in records if r.name == "knn_ann_recall_at_k")
     assert 0 <= recall.value <= 1
     path = tmp_path / "bench" / "bench.json"
