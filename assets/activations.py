@@ -1,13 +1,20 @@
-"""Stage 1: capture h_l and h_{l+1} for every requested layer with one forward pass per model."""
+"""Stage 1: capture h_l and h_{l+1} for every requested layer with one forward pass per model.
+
+The capture streams: each batch of sequences is appended to every requested layer's partition as
+a row group, so memory holds one batch whatever the sample size or the number of layers; all the
+partitions are committed together when the capture has finished (none appears if it fails).
+"""
+
+from contextlib import ExitStack
 
 import dagster as dg
 
 from assets import checks
 from assets.common import Written, each_model, finish, stage_asset
 from orchestration.resources import UpdateLensResource
-from updatelens.analysis import activations_table, provenance
-from storage.layout import clean_abandoned_staging
-from updatelens.capture import capture
+from storage.layout import clean_abandoned_staging, iter_parts, partition_file, partition_writer, read_seq_range
+from updatelens.analysis import activation_rows, provenance
+from updatelens.capture import capture_batches
 from updatelens.preflight import check_data_root
 
 
@@ -34,14 +41,24 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
             raise ValueError(f"{model} has {lm.n_layers} layers; partitions for layers {bad} cannot exist")
         sample = lens.sample(lm)
         context.log.info(f"{model}: capturing {sample.slice_desc} ({lm.n_layers} blocks, d={lm.d_model})")
-        cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
         prov = provenance(lm, sample, cfg)
-        stored = {}
+        with ExitStack() as stack:
+            sinks = {layer: stack.enter_context(partition_writer(lens.root, "activations", model, layer))
+                     for layer in layers}
+            for batch in capture_batches(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch,
+                                         last_block=max(layers)):
+                for layer, sink in sinks.items():
+                    sink.write(activation_rows(batch.states, batch.input_ids, batch.attention_mask, layer,
+                                               cfg, prov, batch.start))
+        n_check = min(lens.checks.hidden_state_sequences, len(sample.input_ids))
+        heads = {}
         for layer in layers:
-            stored[layer] = written.add(lens.root, "activations", model, layer, activations_table(cap, layer, cfg, prov))
-            written.note(model, layer, d_model=lm.d_model, n_tokens=len(stored[layer]))
-            valid[f"{model}:{layer:02d}"] = checks.check_activations(stored[layer], cfg, lm.d_model, lens.checks)
-        for layer, verdict in checks.check_against_hidden_states(lm, sample.input_ids, stored, lens.checks).items():
+            path = partition_file(lens.root, "activations", model, layer)
+            written.record(path, "activations", model, layer, sinks[layer].rows)
+            written.note(model, layer, d_model=lm.d_model, n_tokens=sinks[layer].rows)
+            valid[f"{model}:{layer:02d}"] = checks.check_activations(iter_parts(path), cfg, lm.d_model, lens.checks)
+            heads[layer] = read_seq_range(path, 0, n_check)
+        for layer, verdict in checks.check_against_hidden_states(lm, sample.input_ids, heads, lens.checks).items():
             matches[f"{model}:{layer:02d}"] = verdict
         d_model = lm.d_model
     return finish(lens.root, cfg, written, {"d_model": d_model}, [

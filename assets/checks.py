@@ -139,10 +139,33 @@ def _vectors(table: pa.Table, column: str, d_model: int, verdict: Verdict) -> np
 
 
 # ---- activations ----------------------------------------------------------------------------
-def check_activations(table: pa.Table, cfg: AnalysisConfig, d_model: int, settings: CheckSettings) -> Verdict:
+def check_activations(parts: Iterable[pa.Table], cfg: AnalysisConfig, d_model: int, settings: CheckSettings) -> Verdict:
+    """The stored partition, read a row group at a time (`parts`): memory holds one of them."""
     n_tokens = cfg.n_seq * cfg.seq_len
     n_kept = cfg.n_seq * (cfg.seq_len - (1 if cfg.skip_first_position else 0))
-    frame = table.select(["seq", "pos", "token_id", "kept"]).to_pandas()
+    scalars: list[pa.Table] = []
+    widths: dict[str, set[int]] = {"x": set(), "y": set()}
+    bad: dict[str, list[dict[str, object]]] = {"x": [], "y": []}
+    n_bad = {"x": 0, "y": 0, "x_norm": 0, "y_norm": 0}
+    norm_bad: dict[str, list[dict[str, object]]] = {"x": [], "y": []}
+    for part in parts:
+        scalars.append(part.select(["seq", "pos", "token_id", "kept"]))
+        for column in ("x", "y"):
+            typ = part.schema.field(column).type
+            width = typ.list_size if pa.types.is_fixed_size_list(typ) else -1
+            widths[column].add(width)
+            if width != d_model:
+                continue
+            matrix = to_matrix(part[column], np.float64)
+            finite = _finite_rows(matrix)
+            rows = np.flatnonzero(~finite)
+            n_bad[column] += len(rows)
+            bad[column] += _ids(part, rows)
+            norms = np.linalg.norm(np.where(np.isnan(matrix), 0.0, matrix), axis=1)
+            rows = np.flatnonzero(norms > settings.max_state_norm)
+            n_bad[f"{column}_norm"] += len(rows)
+            norm_bad[column] += _ids(part, rows, {"norm": norms})
+    frame = pa.concat_tables(scalars).to_pandas()
     verdict = validate(frame, [
         row_count(n_tokens),
         *between("seq", 0, cfg.n_seq - 1),
@@ -151,13 +174,16 @@ def check_activations(table: pa.Table, cfg: AnalysisConfig, d_model: int, settin
         Expect("ExpectColumnSumToBeBetween", {"column": "kept", "min_value": n_kept, "max_value": n_kept}),
     ])
     for column in ("x", "y"):
-        matrix = _vectors(table, column, d_model, verdict)
-        if matrix is not None:
-            norms = np.linalg.norm(np.nan_to_num(matrix, nan=0.0, posinf=np.inf), axis=1)
-            bad = np.flatnonzero(norms > settings.max_state_norm)
-            verdict.expect(f"norm({column}) <= {settings.max_state_norm:g}", len(bad) == 0,
-                           f"{column} has {len(bad)} rows with norm above {settings.max_state_norm:g}",
-                           _ids(table, bad, {"norm": norms}))
+        lengths = ", ".join(str(w) for w in sorted(widths[column]))
+        verdict.expect(f"vector_length({column}) = {d_model}", widths[column] == {d_model},
+                       f"{column} vectors have length {lengths}, expected d_model = {d_model}")
+        if widths[column] != {d_model}:
+            continue
+        verdict.expect(f"finite({column})", n_bad[column] == 0,
+                       f"{column} has {n_bad[column]} rows with NaN/Inf", bad[column][:10])
+        verdict.expect(f"norm({column}) <= {settings.max_state_norm:g}", n_bad[f"{column}_norm"] == 0,
+                       f"{column} has {n_bad[f'{column}_norm']} rows with norm above {settings.max_state_norm:g}",
+                       norm_bad[column][:10])
     return verdict
 
 
@@ -197,16 +223,21 @@ def check_against_hidden_states(lm: LoadedModel, input_ids: np.ndarray, tables: 
 
 
 # ---- local fits -----------------------------------------------------------------------------
-def check_fits(table: pa.Table, cfg: AnalysisConfig, d_model: int, settings: CheckSettings,
+def check_fits(parts: Iterable[pa.Table], cfg: AnalysisConfig, d_model: int, settings: CheckSettings,
                x: np.ndarray, neighbours: np.ndarray | None) -> Verdict:
+    """The stored partition, read a row group at a time (`parts`)."""
     n_kept = len(x)
-    frame = table.select(["fn_class", "seq", "pos", "degenerate"]).to_pandas()
-    verdict = validate(frame, [
+    scalars, blocks = [], Verdict()
+    for part in parts:
+        scalars.append(part.select(["fn_class", "seq", "pos", "degenerate"]))
+        _vectors(part, "tx", d_model, blocks)
+    table = pa.concat_tables(scalars)
+    verdict = validate(table.to_pandas(), [
         row_count(n_kept * len(cfg.classes)),
         Expect("ExpectColumnDistinctValuesToEqualSet", {"column": "fn_class", "value_set": list(cfg.classes)}),
         Expect("ExpectCompoundColumnsToBeUnique", {"column_list": ["fn_class", "seq", "pos"]}),
     ])
-    _vectors(table, "tx", d_model, verdict)
+    _merge_by_label(verdict, blocks)
     for fn_class in cfg.classes:
         part = table.filter(pc.equal(table["fn_class"], fn_class))
         frac = float(np.mean(part["degenerate"].to_numpy(zero_copy_only=False))) if len(part) else 1.0
@@ -242,15 +273,10 @@ def identity_sanity(cfg: AnalysisConfig, x: np.ndarray, neighbours: np.ndarray |
 
 
 # ---- residuals ------------------------------------------------------------------------------
-def check_reconstruction(residuals: pa.Table, data: LayerData, fits: dict[str, LayerFit],
-                         cfg: AnalysisConfig, settings: CheckSettings) -> Verdict:
-    frame = residuals.select(["fn_class", "seq", "pos", "rel_err", "norm_full", "norm_tok", "norm_res"]).to_pandas()
-    verdict = validate(frame, [row_count(len(data.x) * len(cfg.classes)),
-                               *between("rel_err", 0), *between("norm_res", 0), *between("norm_full", 0)])
-    rel = residuals["rel_err"].to_numpy()
-    bad = np.flatnonzero(~np.isfinite(rel))
-    verdict.expect("finite(rel_err)", len(bad) == 0, f"rel_err is not finite on {len(bad)} rows",
-                   _ids(residuals, bad))
+def check_reconstruction_gap(residuals: pa.Table, data: LayerData, fits: dict[str, LayerFit],
+                             settings: CheckSettings) -> Verdict:
+    """y = T(x) + r on the rows of one block (its residual vectors against the fits and states)."""
+    verdict = Verdict()
     y = data.y.astype(np.float64)
     for fn_class, fit in fits.items():
         part = residuals.filter(pc.equal(residuals["fn_class"], fn_class))
@@ -265,6 +291,28 @@ def check_reconstruction(residuals: pa.Table, data: LayerData, fits: dict[str, L
                        f"{fn_class}: Δ_full != Δ_tok + r on {len(bad)} rows (max gap {np.nanmax(gap):.2e} "
                        f"of ||y||, tolerance {settings.reconstruction_tol:g})", _ids(part, bad, {"gap": gap}))
     return verdict
+
+
+def check_reconstruction(residuals: pa.Table, n_kept: int, cfg: AnalysisConfig, gaps: Verdict) -> Verdict:
+    """The stored scalar columns of a layer's residuals, and the per-block vector gaps (`gaps`)."""
+    frame = residuals.select(["fn_class", "seq", "pos", "rel_err", "norm_full", "norm_tok", "norm_res"]).to_pandas()
+    verdict = validate(frame, [row_count(n_kept * len(cfg.classes)),
+                               *between("rel_err", 0), *between("norm_res", 0), *between("norm_full", 0)])
+    rel = residuals["rel_err"].to_numpy()
+    bad = np.flatnonzero(~np.isfinite(rel))
+    verdict.expect("finite(rel_err)", len(bad) == 0, f"rel_err is not finite on {len(bad)} rows",
+                   _ids(residuals, bad))
+    _merge_by_label(verdict, gaps)
+    return verdict
+
+
+def _merge_by_label(verdict: Verdict, blocks: Verdict) -> None:
+    """Expectations evaluated block by block, reported once per label (failures kept)."""
+    for label in dict.fromkeys(blocks.evaluated):
+        if label not in verdict.evaluated:
+            verdict.evaluated.append(label)
+    verdict.failures += blocks.failures
+    verdict.offenders += blocks.offenders[:20]
 
 
 def check_rel_err_bounds(residuals: pa.Table, settings: CheckSettings) -> Verdict:

@@ -13,13 +13,20 @@ from assets import checks
 from orchestration.deployments import step_tags
 from orchestration.partitions import MODEL_LAYER, group_keys
 from storage import catalog
-from storage.layout import partition_locks, read_file, read_partition, write_partition
+from storage.layout import (
+    iter_parts,
+    partition_file,
+    partition_locks,
+    read_file,
+    read_seq_range,
+    write_partition,
+)
 from storage.location import url
 from updatelens import CODE_VERSION
 from updatelens.analysis import LayerData, fits_from_table, layer_data
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
-from updatelens.tables import Provenance
+from updatelens.tables import PROVENANCE_COLUMNS, Provenance
 
 # Groups that read as the pipeline's story in the UI: capture, then decomposition, then analysis.
 GROUPS = {
@@ -35,23 +42,36 @@ class StaleInputError(RuntimeError):
     """An upstream partition was produced under another configuration."""
 
 
-def read_upstream(root: Path, table: str, model: str, layer: int, cfg: AnalysisConfig) -> pa.Table:
-    data = read_partition(root, table, model, layer)
-    found = data["config_id"][0].as_py() if len(data) else cfg.config_id
+def check_upstream(root: Path, table: str, model: str, layer: int, cfg: AnalysisConfig) -> pa.Table:
+    """The provenance of an upstream partition (its first row), after checking that it was produced
+    under this run's configuration: reads a few columns of one row group, not the partition."""
+    path = partition_file(root, table, model, layer)
+    if not path.exists():
+        raise FileNotFoundError(f"{table} for model={model} layer={layer} is not materialized "
+                                f"({url(path)}); materialize the upstream asset first")
+    head = next(iter_parts(path, list(PROVENANCE_COLUMNS)))
+    found = head["config_id"][0].as_py() if len(head) else cfg.config_id
     if found != cfg.config_id:
         raise StaleInputError(
             f"{table} for {model} layer {layer} was produced with config {found}, this run uses "
             f"{cfg.config_id}; rematerialize the upstream assets for this partition with the same "
             f"configuration")
-    return data
+    return head.slice(0, 1)
 
 
-def read_layer(root: Path, model: str, layer: int, cfg: AnalysisConfig) -> tuple[pa.Table, LayerData, dict[str, LayerFit]]:
-    """What the stages after local_fits start from: the activations rows, the transition's
-    arrays and the fitted T(x) per class, all checked against this run's configuration."""
-    act = read_upstream(root, "activations", model, layer, cfg)
-    data = layer_data(act)
-    return act, data, fits_from_table(read_upstream(root, "local_fits", model, layer, cfg), data)
+BLOCK_ROWS = 8192  # tokens per block of whole sequences in the streaming stages
+
+
+def seq_blocks(cfg: AnalysisConfig, rows: int = BLOCK_ROWS) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of whole sequences of about `rows` tokens, covering the sample."""
+    per_block = max(1, rows // cfg.seq_len)
+    return [(lo, min(cfg.n_seq, lo + per_block)) for lo in range(0, cfg.n_seq, per_block)]
+
+
+def read_block(root: Path, model: str, layer: int, lo: int, hi: int) -> tuple[LayerData, dict[str, LayerFit]]:
+    """Sequences lo..hi-1 of a layer: the transition's arrays and the fitted T(x) per class."""
+    data = layer_data(read_seq_range(partition_file(root, "activations", model, layer), lo, hi))
+    return data, fits_from_table(read_seq_range(partition_file(root, "local_fits", model, layer), lo, hi), data)
 
 
 def provenance_from(table: pa.Table, cfg: AnalysisConfig) -> Provenance:
@@ -81,6 +101,14 @@ class Written:
         figures[f"rows_{name}"] = len(table)
         figures.setdefault("parquet_path", path)
         return read_file(path)
+
+    def record(self, path: object, name: str, model: str, layer: int, rows: int) -> None:
+        """A partition this stage wrote itself (streamed): counted without reading it back."""
+        self.rows[name] = self.rows.get(name, 0) + rows
+        self.paths.append(url(path))
+        figures = self.per_partition.setdefault(f"{model}:{layer:02d}", {})
+        figures[f"rows_{name}"] = rows
+        figures.setdefault("parquet_path", url(path))
 
     def note(self, model: str, layer: int, **figures: object) -> None:
         self.per_partition.setdefault(f"{model}:{layer:02d}", {}).update(figures)

@@ -1,13 +1,30 @@
 """Stage 5: KL(p_orig || p_patched) with block l's output replaced by T(h_l), the controls, and
-Spearman(error, KL)."""
+Spearman(error, KL).
+
+The stage streams over blocks of `kl_block` sequences: a block's unpatched distributions are
+computed once (resumed after the run's first layer from its captured output) and serve every
+layer of the run, then dropped, so memory holds kl_block x seq_len
+x vocabulary floats whatever the sample size; each layer's block of states and fits is read from
+its partitions (row groups in sequence order) and only the per-token KL stays in memory.
+"""
 
 import dagster as dg
+import numpy as np
 
 from assets import checks
-from assets.common import Written, each_model, finish, provenance_from, read_layer, read_upstream, stage_asset
+from assets.common import Written, check_upstream, each_model, finish, provenance_from, stage_asset
 from assets.geometry import geometry
 from orchestration.resources import UpdateLensResource
-from updatelens.analysis import functional_tables
+from storage.layout import partition_file, read_partition_columns, read_seq_range
+from updatelens.analysis import (
+    FunctionalRows,
+    fits_from_table,
+    functional_bootstrap_table,
+    functional_rows,
+    functional_tables_from_rows,
+    layer_data,
+    single_positions,
+)
 from updatelens.capture import block_output_is_tuple
 from updatelens.perturbation import original_output
 
@@ -27,22 +44,52 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
     for model, layers in each_model(context, lens.root):
         lm = lens.load(model)
         returns_tuple = block_output_is_tuple(lm)
-        orig = None
+        heads = {}
+        for layer in layers:  # configuration and lineage of every input, before any heavy work
+            heads[layer] = check_upstream(lens.root, "activations", model, layer, cfg)
+            for table in ("local_fits", "geometry"):
+                check_upstream(lens.root, table, model, layer, cfg)
+        index = read_partition_columns(lens.root, "activations", model, layers[0], ["seq", "pos", "token_id", "kept"])
+        index = index.sort_by([("seq", "ascending"), ("pos", "ascending")])
+        n_seq = int(index["seq"].to_numpy().max()) + 1
+        input_ids = index["token_id"].to_numpy().reshape(n_seq, -1)
+        kept = index["kept"].to_numpy(zero_copy_only=False).reshape(n_seq, -1)
+        positions = single_positions(kept, cfg.single_positions, cfg.seed) if cfg.patch_mode == "single" else None
+        rows: dict[int, FunctionalRows] = {layer: [] for layer in layers}
+        first = layers[0]
+        # the unpatched pass of a block resumes after the first layer of the run from its captured
+        # output (the patched passes resume there or later); a full forward of the first sequences
+        # is the reference every layer's identity patch is checked against
+        reference = original_output(lm, input_ids[: lens.checks.identity_sequences], cfg.patch_batch)
+        for lo in range(0, n_seq, cfg.kl_block):
+            hi = min(n_seq, lo + cfg.kl_block)
+            blocks = {layer: layer_data(read_seq_range(partition_file(lens.root, "activations", model, layer), lo, hi))
+                      for layer in layers}
+            orig = original_output(lm, input_ids[lo:hi], cfg.patch_batch, resume=(first, blocks[first].y_full),
+                                   returns_tuple=returns_tuple)
+            for layer in layers:
+                data = blocks.pop(layer)
+                fits = fits_from_table(read_seq_range(partition_file(lens.root, "local_fits", model, layer), lo, hi), data)
+                rows[layer] += functional_rows(lm, data, fits, orig, cfg, returns_tuple, positions)
+                if lo == 0:
+                    verdicts[f"{model}:{layer:02d}"] = checks.check_identity_patch(
+                        lm, data, reference, cfg.patch_batch, returns_tuple, lens.checks)
+                context.log.info(f"{model} layer {layer}: patched forwards done for sequences {lo}-{hi - 1} "
+                                 f"of {n_seq}")
+            del orig
+            context.log.info(f"{model}: sequences {hi} of {n_seq} done ({100 * hi // n_seq}%)")
         for layer in layers:
-            act, data, fits = read_layer(lens.root, model, layer, cfg)
-            read_upstream(lens.root, "geometry", model, layer, cfg)  # lineage and config check
-            if orig is None:  # the sample is the same for every layer of the model
-                orig = original_output(lm, data.input_ids, cfg.patch_batch)
-            fm, fs = functional_tables(lm, data, fits, orig, cfg, provenance_from(act, cfg), returns_tuple)
+            fm, fs = functional_tables_from_rows(rows.pop(layer), cfg, provenance_from(heads[layer], cfg), layer)
             stored_fm = written.add(lens.root, "functional_metrics", model, layer, fm)
             stored_fs = written.add(lens.root, "functional_summary", model, layer, fs)
+            written.add(lens.root, "functional_bootstrap", model, layer,
+                        functional_bootstrap_table(stored_fm, cfg, provenance_from(heads[layer], cfg), layer))
             for row in stored_fs.to_pylist():
                 if row["variant"] == "patch":
                     written.note(model, layer, **{f"kl_mean_{row['fn_class']}": row["kl_mean"],
                                                   f"spearman_relerr_kl_{row['fn_class']}": row["spearman_relerr_kl"]})
             verdict = checks.check_functional(stored_fm, stored_fs, lens.checks)
-            verdict.merge(checks.check_identity_patch(lm, data, orig, cfg.patch_batch, returns_tuple, lens.checks))
+            verdict.merge(verdicts[f"{model}:{layer:02d}"])
             verdicts[f"{model}:{layer:02d}"] = verdict
-            context.log.info(f"{model} layer {layer}: patched forwards done")
     return finish(lens.root, cfg, written, check_results=[
         checks.result("functional_metrics", "functional_valid", verdicts, lens.checks)])

@@ -1,13 +1,18 @@
-"""Stage 2: k-NN in layer-l space and one tokenwise fit per anchor and class."""
+"""Stage 2: k-NN in layer-l space and one tokenwise fit per anchor and class.
+
+Memory: the layer's kept states (float32), the neighbour index and one class's T(x) at a time;
+the partition is written class by class in row groups."""
 
 import dagster as dg
 import numpy as np
 
 from assets import checks
 from assets.activations import activations
-from assets.common import Written, each_model, finish, provenance_from, read_upstream, stage_asset
+from assets.common import Written, check_upstream, each_model, finish, provenance_from, stage_asset
 from orchestration.resources import UpdateLensResource
-from updatelens.analysis import compute_fits, fits_table, layer_data
+from storage.layout import iter_parts, partition_file, partition_writer, read_partition_columns
+from updatelens.analysis import fit_row_parts, layer_neighbours, transition_from_parts
+from updatelens.fits import fit_layer
 
 
 @stage_asset(
@@ -22,13 +27,25 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> d
     verdicts: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, lens.root):
         for layer in layers:
-            act = read_upstream(lens.root, "activations", model, layer, cfg)
-            data = layer_data(act)
-            fits, neighbours = compute_fits(data, cfg)
-            stored = written.add(lens.root, "local_fits", model, layer,
-                                 fits_table(data, fits, neighbours, provenance_from(act, cfg)))
-            written.note(model, layer, degenerate_fits=int(sum(np.sum(f.degenerate) for f in fits.values())))
-            verdicts[f"{model}:{layer:02d}"] = checks.check_fits(stored, cfg, data.x.shape[1], lens.checks,
-                                                                 data.x.astype(np.float64), neighbours)
+            prov = provenance_from(check_upstream(lens.root, "activations", model, layer, cfg), cfg)
+            n_kept = int(read_partition_columns(lens.root, "activations", model, layer, ["kept"])["kept"]
+                         .to_numpy(zero_copy_only=False).sum())
+            source = partition_file(lens.root, "activations", model, layer)
+            data = transition_from_parts(iter_parts(source, ["layer", "seq", "pos", "kept", "x", "y"]), n_kept)
+            neighbours = layer_neighbours(data, cfg)
+            context.log.info(f"{model} layer {layer}: neighbours of {n_kept} tokens found ({cfg.index} index)")
+            degenerate = 0
+            with partition_writer(lens.root, "local_fits", model, layer) as sink:
+                for fn_class in cfg.classes:
+                    fit = fit_layer(fn_class, data.x, data.y, data.seq, neighbours, cfg)
+                    for part in fit_row_parts(data, fit, neighbours, prov, layer):
+                        sink.write(part)
+                    degenerate += int(np.sum(fit.degenerate))
+                    del fit
+            path = partition_file(lens.root, "local_fits", model, layer)
+            written.record(path, "local_fits", model, layer, sink.rows)
+            written.note(model, layer, degenerate_fits=degenerate)
+            verdicts[f"{model}:{layer:02d}"] = checks.check_fits(iter_parts(path, ["fn_class", "seq", "pos", "degenerate", "tx"]),
+                                                                 cfg, data.x.shape[1], lens.checks, data.x, neighbours)
             context.log.info(f"{model} layer {layer}: fitted {', '.join(cfg.classes)}")
     return finish(lens.root, cfg, written, check_results=[checks.result("local_fits", "fits_valid", verdicts, lens.checks)])

@@ -1,14 +1,28 @@
-"""Stage 3: the decomposition Δ_full = Δ_tok + r, residual vectors, norms and relative errors."""
+"""Stage 3: the decomposition Δ_full = Δ_tok + r, residual vectors, norms and relative errors.
+
+Streams over blocks of whole sequences: memory holds one block whatever the sample size."""
 
 import dagster as dg
 import numpy as np
 import pyarrow.compute as pc
 
 from assets import checks
-from assets.common import Written, each_model, finish, provenance_from, read_layer, stage_asset
+from assets.common import (
+    Written,
+    check_upstream,
+    each_model,
+    finish,
+    provenance_from,
+    read_block,
+    seq_blocks,
+    stage_asset,
+)
 from assets.local_fits import local_fits
 from orchestration.resources import UpdateLensResource
+from storage.layout import partition_file, partition_writer, read_partition_columns
 from updatelens.analysis import residuals_table
+
+SCALARS = ["fn_class", "seq", "pos", "rel_err", "norm_full", "norm_tok", "norm_res"]
 
 
 @stage_asset(
@@ -24,10 +38,22 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
     bounds: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, lens.root):
         for layer in layers:
-            act, data, fits = read_layer(lens.root, model, layer, cfg)
-            stored = written.add(lens.root, "residuals", model, layer, residuals_table(data, fits, provenance_from(act, cfg)))
+            prov = provenance_from(check_upstream(lens.root, "activations", model, layer, cfg), cfg)
+            check_upstream(lens.root, "local_fits", model, layer, cfg)
             key = f"{model}:{layer:02d}"
-            recon[key] = checks.check_reconstruction(stored, data, fits, cfg, lens.checks)
+            gaps = checks.Verdict()
+            n_kept = 0
+            with partition_writer(lens.root, "residuals", model, layer) as sink:
+                for lo, hi in seq_blocks(cfg):
+                    data, fits = read_block(lens.root, model, layer, lo, hi)
+                    table = residuals_table(data, fits, prov)
+                    gaps.merge(checks.check_reconstruction_gap(table, data, fits, lens.checks))
+                    sink.write(table)
+                    n_kept += int(data.kept.sum())
+            path = partition_file(lens.root, "residuals", model, layer)
+            written.record(path, "residuals", model, layer, sink.rows)
+            stored = read_partition_columns(lens.root, "residuals", model, layer, SCALARS)
+            recon[key] = checks.check_reconstruction(stored, n_kept, cfg, gaps)
             bounds[key] = checks.check_rel_err_bounds(stored, lens.checks)
             for fn_class in cfg.classes:
                 part = stored.filter(pc.equal(stored["fn_class"], fn_class))
@@ -36,3 +62,4 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
         checks.result("residuals", "reconstruction_exact", recon, lens.checks),
         checks.result("residuals", "rel_err_within_bounds", bounds, lens.checks),
     ])
+

@@ -33,16 +33,26 @@ ORDER BY layer, fn_class
 
 
 def _parse_layers(text: str | None) -> list[int] | None:
+    """"3-7", "0,15,29" or "3-7,10" -> sorted layers; ValueError naming the bad part."""
     if not text:
         return None
-    if "-" in text:
-        a, b = text.split("-", 1)
-        return list(range(int(a), int(b) + 1))
-    return [int(x) for x in text.split(",")]
+    layers: set[int] = set()
+    for part in text.split(","):
+        a, dash, b = part.strip().partition("-")
+        if not a.isdigit() or (dash and not b.isdigit()):
+            raise ValueError(f"--layers {text!r}: {part!r} is not a layer or a range like 3-7")
+        layers.update(range(int(a), int(b) + 1) if dash else [int(a)])
+    return sorted(layers)
 
 
 def _settings(args: argparse.Namespace) -> dict[str, object]:
-    settings: dict[str, object] = {}
+    from updatelens.config import PRESETS
+    from updatelens.errors import ConfigError
+
+    preset = getattr(args, "preset", None)
+    if preset and preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    settings: dict[str, object] = dict(PRESETS[preset]) if preset else {}
     for item in args.set or []:
         key, _, value = item.partition("=")
         try:
@@ -80,6 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         stale_layers,
     )
     from storage import catalog
+    from updatelens.config import preset_layers
     from updatelens.errors import UpdateLensError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -96,13 +107,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"updatelens: model {args.model}, corpus {args.corpus}, config {cfg.config_id}, data {lens.data_root}",
           flush=True)
     start = time.perf_counter()
-    layers = _parse_layers(args.layers)
     try:
+        layers = _parse_layers(args.layers)
         report = check_inputs(args.model, lens, layers)
     except (UpdateLensError, ValueError, OSError) as exc:
         print(f"updatelens run: {exc}", file=sys.stderr)
         return 2
-    wanted = layers or list(range(report.n_layers))
+    wanted = layers or (preset_layers(args.preset, report.n_layers) if args.preset else list(range(report.n_layers)))
     todo = wanted if args.force else stale_layers(lens, args.model, wanted)
     if not todo:
         print("every requested partition is up to date (same code version and config); --force recomputes")
@@ -266,6 +277,69 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return _reports([args.model], lens, instance) if has_main else 0
 
 
+def cmd_converge(args: argparse.Namespace) -> int:
+    """Nested samples of one model (the first n windows, for growing n), each analysed in full;
+    the `convergence` view shows every finding at every size with its interval."""
+    import dagster as dg
+
+    from orchestration.resources import AnalysisSettings
+    from orchestration.runner import (
+        check_inputs,
+        contiguous_ranges,
+        failure_message,
+        materialize_model,
+        project_dagster_home,
+        stale_layers,
+    )
+    from storage import catalog
+    from storage.layout import convergence_root
+    from storage.location import url
+    from updatelens.config import preset_layers
+    from updatelens.errors import UpdateLensError
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
+    try:
+        lens = _lens_from(args)
+        base = lens.config()
+        sizes = sorted({int(t) for t in args.tokens.split(",")})
+        bad = [t for t in sizes if t < base.seq_len or t % base.seq_len]
+        if bad:
+            raise ValueError(f"--tokens {bad}: each size must be a multiple of seq_len={base.seq_len}")
+        plans = []
+        for tokens in sizes:
+            settings = {**lens.analysis.model_dump(), "n_seq": tokens // base.seq_len}
+            sub = lens.model_copy(update={"data_root": url(convergence_root(lens.root, tokens // base.seq_len)),
+                                          "analysis": AnalysisSettings(**settings)})
+            sub.config().validate()
+            plans.append((tokens, sub))
+        report = check_inputs(args.model, plans[-1][1], _parse_layers(args.layers))
+        layers = _parse_layers(args.layers) or preset_layers("study", report.n_layers)
+    except (UpdateLensError, ValueError, OSError) as exc:
+        print(f"updatelens converge: {exc}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    with dg.DagsterInstance.get() as instance:
+        for tokens, sub in plans:
+            todo = layers if args.force else stale_layers(sub, args.model, layers)
+            print(f"converge: {tokens} tokens ({sub.config().n_seq} sequences), layers "
+                  f"{','.join(map(str, todo)) or 'up to date'}", flush=True)
+            for layer_range in contiguous_ranges(todo):
+                result = materialize_model(args.model, sub, instance, layers=layer_range, log_level="INFO",
+                                           raise_on_error=False, report=report)
+                if not result.success:
+                    print(f"updatelens converge: the run failed: {failure_message(result)}", file=sys.stderr)
+                    return 1
+    catalog.refresh(lens.root)
+    print(f"\nconverge wall time {time.perf_counter() - start:.1f} s, peak RSS {_peak_rss_gib():.2f} GiB. "
+          f"Convergence (SQL view convergence):")
+    _print_frame(catalog.query(lens.root, "SELECT finding, fn_class, n_tokens, round(value, 3) AS value, "
+                                          "round(ci_lo, 3) AS ci_lo, round(ci_hi, 3) AS ci_hi, verdict, threshold "
+                                          "FROM convergence WHERE model = $1 ORDER BY finding, fn_class, n_tokens",
+                               [args.model]))
+    return 0
+
+
 def _peak_rss_gib() -> float:
     """High-water mark of this process's memory (the run executes in-process).
 
@@ -318,13 +392,15 @@ def cmd_ui(args: argparse.Namespace) -> int:
     return proc.wait()
 
 
-def _pipeline_run(layers: str, root: Path, home: Path, device: str = "cpu") -> tuple[float, float]:
+def _pipeline_run(layers: str, root: Path, home: Path, device: str = "cpu",
+                  settings: tuple[str, ...] = ()) -> tuple[float, float]:
     """(pipeline wall s, peak RSS GiB) of `updatelens run --layers ...` in a fresh process."""
     import re
 
     env = dict(os.environ, DAGSTER_HOME=str(home), HF_HUB_OFFLINE="1")
+    extra = [arg for setting in settings for arg in ("--set", setting)]
     out = subprocess.run([sys.executable, "-m", "orchestration.cli", "run", "--layers", layers, "--force",
-                          "--data-root", str(root), "--set", f"device={device}"],
+                          "--data-root", str(root), "--set", f"device={device}", *extra],
                          env=env, capture_output=True, text=True, check=True).stdout
     match = re.search(r"pipeline wall time ([0-9.]+) s, peak RSS ([0-9.]+) GiB", out)
     if match is None:
@@ -354,6 +430,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("updatelens bench: the bench writes to a local data root; pass --data-root PATH", file=sys.stderr)
         return 2
     root = Path(args.data_root or default_data_root())
+    if args.only == "scale":
+        return _bench_scale(args, root)
     cfg = AnalysisConfig(device=args.device)
     try:
         cfg.validate()
@@ -403,6 +481,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_scale(args: argparse.Namespace, root: Path) -> int:
+    """One layer of the whole pipeline (the study's classes and controls) at each sample size, each in a
+    fresh process: peak RSS and wall time against N; scale.json and the records in bench_scale.json."""
+    import tempfile
+
+    from updatelens import bench
+    from updatelens.config import PRESETS
+
+    sizes = sorted({int(t) for t in args.scale_tokens.split(",")})
+    study = PRESETS["study"]
+    settings = tuple(f"{key}={json.dumps(value)}" for key, value in study.items() if key != "n_seq")
+    points = []
+    for tokens in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            wall, rss = _pipeline_run(str(args.scale_layer), Path(tmp) / "data", Path(tmp) / "home", args.device,
+                                      (*settings, f"n_seq={tokens // int(study['seq_len'])}"))
+        points.append(bench.ScalePoint(tokens, wall, rss))
+        print(f"scale: {tokens} tokens, layer {args.scale_layer}: {wall:.1f} s, peak RSS {rss:.2f} GiB", flush=True)
+    records = bench.scale_records(points, args.device)
+    print()
+    print(bench.table(records))
+    bench.write_scale_json(points, root / "bench" / "scale.json")
+    bench.write_json(records, root / "bench" / "bench_scale.json")
+    print(f"\nwritten {root / 'bench' / 'scale.json'} and bench_scale.json")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="updatelens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -410,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="materialize all five stages for a model, headless")
     run.add_argument("--model", default="smollm2-135m", help="registry slug (default: the embedded SmolLM2)")
     run.add_argument("--corpus", default="wiki-embedded")
-    run.add_argument("--layers", help="a contiguous range like 3-7 (default: all)")
+    run.add_argument("--layers", help="layers like 3-7, 0,15,29 or 3-7,10 (default: all, or the preset's)")
+    run.add_argument("--preset", help="named settings: study (1024 x 128 tokens; first, middle and last layer; "
+                                      "intervals for every finding); --set and the flags override them")
     run.add_argument("--classes", help="comma-separated function classes (default diagonal,lowrank)")
     run.add_argument("--n-seq", dest="n_seq", type=int)
     run.add_argument("--seq-len", dest="seq_len", type=int)
@@ -452,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="rebuild reports (HTML + PNG) from stored results, no recomputation")
     rep.add_argument("--model", help="registry slug (default: every model with results)")
     rep.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
-    rep.set_defaults(func=cmd_report, set=None, classes=None, n_seq=None, seq_len=None, k=None, rank=None)
+    rep.set_defaults(func=cmd_report, set=None, classes=None, n_seq=None, seq_len=None, k=None, rank=None, preset=None)
 
     swp = sub.add_parser("sweep", help="analyse a model under a grid of conventions; prints the sensitivity table")
     swp.add_argument("--model", default="smollm2-135m")
@@ -465,7 +572,20 @@ def main(argv: list[str] | None = None) -> int:
     swp.add_argument("--set", action="append", metavar="KEY=VALUE", help="baseline AnalysisConfig fields")
     swp.add_argument("--data-root")
     swp.add_argument("--registry")
-    swp.set_defaults(func=cmd_sweep, classes=None, n_seq=None, seq_len=None, k=None, rank=None)
+    swp.set_defaults(func=cmd_sweep, classes=None, n_seq=None, seq_len=None, k=None, rank=None, preset=None)
+
+    conv = sub.add_parser("converge", help="analyse nested samples of growing size; prints each finding "
+                                           "against the sample size with its interval")
+    conv.add_argument("--model", default="smollm2-135m")
+    conv.add_argument("--corpus", default="wiki-embedded")
+    conv.add_argument("--tokens", default="2048,8192,32768,131072",
+                      help="sample sizes in tokens, multiples of seq_len (default 2048,8192,32768,131072)")
+    conv.add_argument("--layers", help="layers like 3-7 or 0,15,29 (default: the first, middle and last)")
+    conv.add_argument("--force", action="store_true", help="recompute sizes that are already up to date")
+    conv.add_argument("--set", action="append", metavar="KEY=VALUE", help="AnalysisConfig fields of every size")
+    conv.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
+    conv.add_argument("--registry")
+    conv.set_defaults(func=cmd_converge, classes=None, n_seq=None, seq_len=None, k=None, rank=None, preset=None)
 
     bench_cmd = sub.add_parser("bench", help="benchmark every hot stage against same-run references")
     bench_cmd.add_argument("--data-root")
@@ -478,6 +598,12 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("--scaling-n", default="2048,8192,16384",
                            help="token counts of the scaling sweep (32768 adds about a minute)")
     bench_cmd.add_argument("--scaling-d-at", type=int, default=2048, help="N at which d is varied (288, 576, 1152)")
+    bench_cmd.add_argument("--only", choices=["scale"],
+                           help="scale: only the pipeline's peak memory and time against the sample size")
+    bench_cmd.add_argument("--scale-tokens", dest="scale_tokens", default="8192,32768,131072",
+                           help="sample sizes of the scale bench (one layer, the study preset's settings)")
+    bench_cmd.add_argument("--scale-layer", dest="scale_layer", type=int, default=15,
+                           help="the layer the scale bench runs (default 15, the middle of SmolLM2)")
     bench_cmd.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)

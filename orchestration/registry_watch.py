@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestration.partitions import model_keys
-from storage.layout import partition_file, read_file
+from storage.layout import TABLES, partition_file, read_file
 from updatelens.registry import ModelEntry, load_models
 
 
@@ -37,13 +37,14 @@ def registry_changes(registry: Path, cursor: str | None) -> RegistryChanges:
     return RegistryChanges(added=added, removed=removed, cursor=json.dumps(now, sort_keys=True))
 
 
-LAST_TABLE = "functional_summary"  # written by the last stage: present only if the whole chain ran
+LAST_TABLE = "functional_bootstrap"  # written by the last stage: present only if the whole chain ran
 
 
 def partition_state(root: Path, model: str, layer: int) -> tuple[str, str] | None:
-    """(config_id, code_version) of a stored partition of the last stage, None if absent."""
+    """(config_id, code_version) of a stored partition of the last stage; None if it or any other
+    table of the (model, layer) is absent (a partition deleted upstream makes the layer stale)."""
     path = partition_file(root, LAST_TABLE, model, layer)
-    if not path.exists():
+    if not all(partition_file(root, table, model, layer).exists() for table in TABLES):
         return None
     table = read_file(path).select(["config_id", "code_version"])
     if len(table) == 0:

@@ -108,7 +108,8 @@ def stale_layers(lens: UpdateLensResource, model: str, layers: Sequence[int]) ->
 def check_inputs(model: str, lens: UpdateLensResource, layers: Sequence[int] | None = None) -> Preflight:
     """Everything that can be checked without loading weights (seconds, not minutes)."""
     registry = Path(lens.registry)
-    report = preflight(get_model(model, registry), get_corpus(lens.corpus, registry), lens.config(), lens.root)
+    report = preflight(get_model(model, registry), get_corpus(lens.corpus, registry), lens.config(), lens.root,
+                       len(set(layers)) if layers else None)
     bad = [layer for layer in layers or [] if not 0 <= layer < report.n_layers]
     if bad:
         raise ConfigError(f"{model} has {report.n_layers} layers (0..{report.n_layers - 1}); no layer {bad}")

@@ -29,6 +29,8 @@ from updatelens.errors import UpdateLensError
 REPORTS = "reports"
 COMPARISON = "_comparison"  # not a valid model slug, so it never collides with one
 # Every figure of a model report, in the order the report shows them, with its caption.
+CONVERGENCE_CAPTION = ("Each finding against the number of tokens in the sample (nested samples: the first n "
+                       "windows of the corpus), one line per class with its 95% bootstrap band over sequences.")
 MODEL_FIGURES: dict[str, str] = {
     "layer_curves": "Per-layer curves, one line per function class: relative error, alignment in update and map "
                     "form, share of residual angles above 60°, projection energy of Δ_full, Δ_tok and r on the "
@@ -189,8 +191,10 @@ def build_model_report(root: Path, model: str) -> Report:
                              f"AND variant = 'patch'", params)
         spectra = _frame(con, f"SELECT layer, fn_class, which, idx, cum_energy FROM spectra WHERE {where} AND {in_picks}",
                          params)
-        findings = _frame(con, f"SELECT finding, statement, measure, fn_class, value, threshold, holds FROM findings "
-                               f"WHERE {where} ORDER BY finding", params)
+        findings = _frame(con, f"SELECT finding, statement, measure, fn_class, value, ci_lo, ci_hi, threshold, holds, "
+                               f"verdict FROM findings WHERE {where} ORDER BY finding", params)
+        converged = (_frame(con, "SELECT * FROM convergence WHERE model = ?", [model])
+                     if "convergence" in views else pl.DataFrame())
         sensitivity, swept_layers = None, ""
         if "sensitivity" in views:
             sensitivity = _frame(con, "SELECT * FROM sensitivity WHERE model = ?", [model])
@@ -209,6 +213,9 @@ def build_model_report(root: Path, model: str) -> Report:
         "energy_curves": lambda: fig.energy_curves(spectra, picks, f"{model}: singular-value energy"),
         "controls": lambda: fig.controls(summary, f"{model}: is it the residual's direction or only its size?"),
     }
+    if not converged.is_empty():
+        drawings["convergence"] = lambda: fig.convergence(converged, f"{model}: findings against the sample size "
+                                                                     f"(95% bootstrap intervals over sequences)")
     summary_cols = ["layer", "fn_class", "n_tokens", "rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median",
                     "frac_res_angle_gt60", "proj_full_m16", "proj_tok_m16", "proj_res_m16", "m90_tok", "kl_mean",
                     "spearman_relerr_kl", "kl_mean_random_control", "kl_mean_crude_control"]
@@ -224,7 +231,10 @@ def build_model_report(root: Path, model: str) -> Report:
                 "layers": [f"{len(layers)} of {n_layers}"]})),
             "".join(f"<p><i>{html.escape(n)}</i></p>" for n in notes),
             "<h2>Findings</h2><p>Each of the paper's findings (METHOD.md) measured on this model, on the class with "
-            "the lowest median relative error, with the threshold that decides whether it holds. SQL: "
+            "the lowest median relative error, with the threshold that decides whether it holds, its 95% bootstrap "
+            "interval over sequences (<code>ci_lo</code>, <code>ci_hi</code>) and the verdict the interval "
+            "supports: <b>holds</b> or <b>fails</b> when the whole interval is on one side of the threshold, "
+            "<b>undecided</b> when it straddles it. SQL: "
             f"<code>SELECT * FROM findings WHERE model = '{html.escape(model)}'</code> (view definition below).</p>"
             + html_table(findings),
         ]
@@ -235,6 +245,14 @@ def build_model_report(root: Path, model: str) -> Report:
                 "not; <b>flips</b> marks a verdict that differs from the sweep's own baseline). SQL: <code>SELECT * "
                 f"FROM sensitivity WHERE model = '{html.escape(model)}'</code>.</p>"
                 + html_table(sensitivity_pivot(sensitivity), ()))
+        if not converged.is_empty():
+            sections.append(
+                "<h2>Convergence with the sample size</h2><p>Each finding on nested samples of growing size "
+                "(<code>updatelens converge</code>), per class, with its 95% bootstrap band; the dashed line is the "
+                "threshold. SQL: <code>SELECT * FROM convergence WHERE model = '" + html.escape(model) + "'</code>.</p>"
+                + _figure_section("convergence", CONVERGENCE_CAPTION, staging / "convergence.png")
+                + html_table(converged.select(["finding", "fn_class", "n_tokens", "value", "ci_lo", "ci_hi",
+                                               "verdict", "threshold", "layers"]), ()))
         sections.append("<h2>Figures</h2>" + "".join(
             _figure_section(name, caption, staging / f"{name}.png") for name, caption in MODEL_FIGURES.items()))
         sections.append("<h2>Per-layer summary</h2><p>SQL view <code>layer_summary</code>.</p>"

@@ -204,3 +204,32 @@ def depth_layers(layers: list[int]) -> list[int]:
         if best not in picks:
             picks.append(best)
     return picks
+
+
+def convergence(rows: pl.DataFrame, title: str) -> Figure:
+    """Each finding against the sample size, one line per class with its 95% bootstrap band and the
+    threshold dashed. `rows`: the `convergence` view of one model."""
+    findings = sorted(rows["finding"].unique().to_list())
+    cols = 4
+    nrows = max(1, -(-len(findings) // cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(17, 3.6 * nrows), constrained_layout=True, squeeze=False)
+    for ax, finding in zip(axes.flat, findings):
+        part = rows.filter(pl.col("finding") == finding)
+        for fn_class in part["fn_class"].unique(maintain_order=True).to_list():
+            line = part.filter(pl.col("fn_class") == fn_class).sort("n_tokens")
+            n = line["n_tokens"].to_numpy()
+            ax.plot(n, line["value"].cast(pl.Float64).to_numpy(), "o-", ms=3, color=_colour(fn_class), label=fn_class)
+            lo, hi = line["ci_lo"].cast(pl.Float64).to_numpy(), line["ci_hi"].cast(pl.Float64).to_numpy()
+            if np.isfinite(lo).any():
+                ax.fill_between(n, lo, hi, color=_colour(fn_class), alpha=0.2)
+        bound = float(str(part["threshold"][0]).split()[-1])
+        ax.axhline(bound, color="k", ls="--", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"finding {finding} ({part['threshold'][0]})", fontsize=10)
+        ax.set_xlabel("tokens in the sample")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(findings):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title)
+    return fig

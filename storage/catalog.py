@@ -24,6 +24,8 @@ import polars as pl
 from storage.layout import (
     SWEEP_TABLES,
     TABLES,
+    convergence_glob_pattern,
+    has_convergence_files,
     glob_pattern,
     has_files,
     has_sweep_files,
@@ -82,92 +84,130 @@ ALTERNATIVE_MEASURES = (
 )
 
 # The paper's findings (METHOD.md), each measured per (model, config, class), with the threshold
-# that decides whether it holds. Plain SQL over layer_summary and spectra, so a reader can see how
-# every figure is derived. `findings` keeps the class with the lowest median relative error.
+# that decides whether it holds. Plain SQL over per-layer statistics, so a reader can see how every
+# figure is derived. The statistics come once from `layer_summary` and `spectra` (replicate -1: the
+# point estimate) and once per bootstrap resample of the sequences from `layer_replicates`
+# (replicate 0, 1, ...); every finding is computed on each, and its 95% interval is the 2.5% and
+# 97.5% quantiles of the resamples' values. `verdict` is 'holds' or 'fails' when the whole interval
+# is on one side of the threshold, 'undecided' when it straddles it, NULL without resamples.
+# `findings` keeps the class with the lowest median relative error.
 # Each class's median over layers of its median relative error: picks the best class (findings)
 # and measures finding 5.
-PER_CLASS_CTE = """per_class AS (
-    SELECT model, config_id, fn_class, median(rel_err_median) AS err
-    FROM {layer_summary} GROUP BY model, config_id, fn_class
-)"""
+STATISTICS = ("rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median", "frac_res_angle_gt60",
+              "frac_res_tok_angle_gt60", "proj_res_m16", "spearman_relerr_kl", "spearman_normres_kl",
+              "rank_full", "rank_tok", "rank_res")
+
+POINT_STATS_SQL = """
+SELECT ls.model, ls.config_id, ls.fn_class, ls.layer, -1 AS replicate,
+       {columns}, r.rank_full, r.rank_tok, r.rank_res
+FROM {layer_summary} ls LEFT JOIN (
+    SELECT model, layer, config_id, fn_class,
+           any_value(CASE WHEN which = 'full' THEN effective_rank END) AS rank_full,
+           any_value(CASE WHEN which = 'tok' THEN effective_rank END) AS rank_tok,
+           any_value(CASE WHEN which = 'res' THEN effective_rank END) AS rank_res
+    FROM {spectra} GROUP BY model, layer, config_id, fn_class
+) r USING (model, layer, config_id, fn_class)
+"""
+
+LAYER_REPLICATES_SQL = """
+CREATE OR REPLACE VIEW {name} AS
+SELECT g.model, g.config_id, g.fn_class, g.layer, g.replicate,
+       g.rel_err_median, g.cos_full_tok_median, g.cos_full_tok_map_median, g.frac_res_angle_gt60,
+       g.frac_res_tok_angle_gt60, g.proj_res_m16, f.spearman_relerr_kl, f.spearman_normres_kl,
+       g.rank_full, g.rank_tok, g.rank_res
+FROM {geometry_bootstrap} g LEFT JOIN {functional_bootstrap} f USING (model, layer, config_id, fn_class, replicate)
+"""
 
 FINDINGS_BY_CLASS_SQL = """
 CREATE OR REPLACE VIEW {name} AS
-WITH {per_class}, b AS (
-    SELECT ls.*, max(ls.layer) OVER (PARTITION BY ls.model, ls.config_id) + 1 AS n_layers FROM {layer_summary} ls
-), ranks AS (
-    SELECT model, config_id, fn_class,
-           avg(CASE WHEN which = 'tok' THEN effective_rank END) AS rank_tok,
-           avg(CASE WHEN which = 'full' THEN effective_rank END) AS rank_full,
-           avg(CASE WHEN which = 'res' THEN effective_rank END) AS rank_res
-    FROM (SELECT DISTINCT model, layer, config_id, fn_class, which, effective_rank FROM {spectra})
-    GROUP BY model, config_id, fn_class
+WITH stats AS ({stats}),
+per_class AS (
+    SELECT model, config_id, replicate, fn_class, median(rel_err_median) AS err
+    FROM stats GROUP BY model, config_id, replicate, fn_class
+), b AS (
+    SELECT stats.*, max(layer) OVER (PARTITION BY model, config_id, replicate) + 1 AS n_layers FROM stats
 ), classes AS (
-    SELECT model, config_id,
+    SELECT model, config_id, replicate,
            max(CASE WHEN fn_class = 'diagonal' THEN err END) - max(CASE WHEN fn_class = 'lowrank' THEN err END) AS gap
-    FROM per_class GROUP BY model, config_id
+    FROM per_class GROUP BY model, config_id, replicate
 ), depth AS (
-    SELECT model, config_id, fn_class,
+    SELECT model, config_id, replicate, fn_class,
            avg(CASE WHEN layer >= n_layers / 3 AND layer < 2 * n_layers / 3 THEN rel_err_median END)
          - avg(CASE WHEN layer < n_layers / 3 OR layer >= 2 * n_layers / 3 THEN rel_err_median END) AS gap
-    FROM b GROUP BY model, config_id, fn_class
-)
-SELECT model, config_id, f.fn_class, f.finding, f.statement, f.measure, f.value, f.threshold,
-       CASE f.op WHEN '>=' THEN f.value >= f.bound ELSE f.value <= f.bound END AS holds
-FROM (
-    SELECT model, config_id, fn_class, '1' AS finding, 'the full update is aligned with the tokenwise update' AS statement,
+    FROM b GROUP BY model, config_id, replicate, fn_class
+), f AS (
+    SELECT model, config_id, replicate, fn_class, '1' AS finding, 'the full update is aligned with the tokenwise update' AS statement,
            'median over layers of median cos(Δ_full, Δ_tok), update form' AS measure,
            median(cos_full_tok_median) AS value, '>= 0.9' AS threshold, '>=' AS op, 0.9 AS bound
     FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, fn_class, '1 map', 'the full update is aligned with the tokenwise update',
+    SELECT model, config_id, replicate, fn_class, '1 map', 'the full update is aligned with the tokenwise update',
            'median over layers of median cos(y, T(x)), map form', median(cos_full_tok_map_median), '>= 0.9', '>=', 0.9
     FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, fn_class, '2 angle', 'the residual deviates by large angles',
+    SELECT model, config_id, replicate, fn_class, '2 angle', 'the residual deviates by large angles',
            'mean over layers of the share of tokens with angle(Δ_full, r) > 60°', avg(frac_res_angle_gt60),
            '>= 0.5', '>=', 0.5
     FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, fn_class, '2 angle vs tok', 'the residual deviates by large angles',
+    SELECT model, config_id, replicate, fn_class, '2 angle vs tok', 'the residual deviates by large angles',
            'mean over layers of the share of tokens with angle(Δ_tok, r) > 60°', avg(frac_res_tok_angle_gt60),
            '>= 0.5', '>=', 0.5
     FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, fn_class, '2 projection', 'the residual projects little onto the tokenwise subspace',
+    SELECT model, config_id, replicate, fn_class, '2 projection', 'the residual projects little onto the tokenwise subspace',
            'mean over layers of the projection energy of r on the top-16 tokenwise directions',
            avg(proj_res_m16), '<= 0.25', '<=', 0.25
     FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, fn_class, '3', 'full and tokenwise updates are low-dimensional, the residual is not',
+    SELECT model, config_id, replicate, fn_class, '3', 'full and tokenwise updates are low-dimensional, the residual is not',
            'mean effective rank of Δ_full and Δ_tok over that of r (the larger of the two ratios)',
-           greatest(rank_full, rank_tok) / rank_res, '<= 0.5', '<=', 0.5
-    FROM ranks
+           greatest(avg(rank_full), avg(rank_tok)) / avg(rank_res), '<= 0.5', '<=', 0.5
+    FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, fn_class, '4', 'approximation error predicts output perturbation',
+    SELECT model, config_id, replicate, fn_class, '4', 'approximation error predicts output perturbation',
            'median over layers of Spearman(relative error, KL)', median(spearman_relerr_kl), '>= 0.7', '>=', 0.7
     FROM b GROUP BY ALL
     UNION ALL
-    SELECT model, config_id, fn_class, '4 norm', 'approximation error predicts output perturbation',
+    SELECT model, config_id, replicate, fn_class, '4 norm', 'approximation error predicts output perturbation',
            'median over layers of Spearman(||r||, KL)', median(spearman_normres_kl), '>= 0.7', '>=', 0.7
     FROM b GROUP BY ALL
     UNION ALL
-    SELECT per_class.model, per_class.config_id, per_class.fn_class, '5',
+    SELECT per_class.model, per_class.config_id, per_class.replicate, per_class.fn_class, '5',
            'a diagonal map serves about as well as a low-rank one',
            'median relative error of diagonal minus that of lowrank', classes.gap, '<= 0.05', '<=', 0.05
-    FROM per_class JOIN classes USING (model, config_id) WHERE classes.gap IS NOT NULL
+    FROM per_class JOIN classes USING (model, config_id, replicate) WHERE classes.gap IS NOT NULL
     UNION ALL
-    SELECT model, config_id, fn_class, '6', 'middle layers have larger residuals',
+    SELECT model, config_id, replicate, fn_class, '6', 'middle layers have larger residuals',
            'mean median relative error of the middle third of layers minus the outer thirds', gap, '>= 0', '>=', 0.0
     FROM depth
-) f
-ORDER BY model, config_id, f.fn_class, f.finding
+), summary AS (
+    SELECT model, config_id, fn_class, finding, any_value(statement) AS statement, any_value(measure) AS measure,
+           any_value(threshold) AS threshold, any_value(op) AS op, any_value(bound) AS bound,
+           max(value) FILTER (WHERE replicate = -1) AS value,
+           quantile_cont(value, 0.025) FILTER (WHERE replicate >= 0) AS ci_lo,
+           quantile_cont(value, 0.975) FILTER (WHERE replicate >= 0) AS ci_hi,
+           count(value) FILTER (WHERE replicate >= 0) AS n_resamples
+    FROM f GROUP BY model, config_id, fn_class, finding
+)
+SELECT model, config_id, fn_class, finding, statement, measure, value, threshold,
+       CASE op WHEN '>=' THEN value >= bound ELSE value <= bound END AS holds,
+       ci_lo, ci_hi, n_resamples,
+       CASE WHEN ci_lo IS NULL OR ci_hi IS NULL THEN NULL
+            WHEN (op = '>=' AND ci_lo >= bound) OR (op = '<=' AND ci_hi <= bound) THEN 'holds'
+            WHEN (op = '>=' AND ci_hi < bound) OR (op = '<=' AND ci_lo > bound) THEN 'fails'
+            ELSE 'undecided' END AS verdict
+FROM summary
+ORDER BY model, config_id, fn_class, finding
 """
 
 FINDINGS_SQL = """
 CREATE OR REPLACE VIEW {name} AS
-WITH {per_class}, best AS (
-    SELECT model, config_id, arg_min(fn_class, err) AS fn_class FROM per_class GROUP BY model, config_id
+WITH best AS (
+    SELECT model, config_id, arg_min(fn_class, rel_err) AS fn_class
+    FROM (SELECT model, config_id, fn_class, median(rel_err_median) AS rel_err FROM {layer_summary}
+          GROUP BY model, config_id, fn_class)
+    GROUP BY model, config_id
 )
 SELECT f.* FROM {by_class} f JOIN best USING (model, config_id, fn_class)
 ORDER BY model, config_id, finding
@@ -232,6 +272,29 @@ def sweep_view_sql(root: Path, table: str) -> str:
                          "'config': VARCHAR, 'model': VARCHAR, 'layer': INTEGER", select="* EXCLUDE (config)")
 
 
+def convergence_view_sql(root: Path, table: str) -> str:
+    # rows carry config_id (n_seq is part of it); the folder's `n_seq=` key is dropped
+    return _parquet_view(f"conv_{table}", convergence_glob_pattern(root, table),
+                         "'n_seq': INTEGER, 'model': VARCHAR, 'layer': INTEGER", select="* EXCLUDE (n_seq)")
+
+
+# Each finding of a convergence study at each sample size, with its interval.
+CONVERGENCE_SQL = """
+CREATE OR REPLACE VIEW convergence AS
+WITH sizes AS (
+    SELECT model, config_id,
+           CAST(json_extract(any_value(config_json), '$.n_seq') AS INTEGER)
+         * CAST(json_extract(any_value(config_json), '$.seq_len') AS INTEGER) AS n_tokens,
+           array_to_string(list_sort(list_distinct(list(layer))), ',') AS layers
+    FROM conv_geometry_bootstrap GROUP BY model, config_id
+)
+SELECT f.model, f.config_id, f.finding, f.fn_class, s.n_tokens, f.value, f.ci_lo, f.ci_hi, f.verdict,
+       f.threshold, s.layers
+FROM conv_findings_by_class f JOIN sizes s USING (model, config_id)
+ORDER BY f.model, f.finding, f.fn_class, s.n_tokens
+"""
+
+
 def layer_summary_sql(has_functional: bool, prefix: str = "") -> str:
     geometry = LAYER_SUMMARY_GEOMETRY.format(geometry=f"{prefix}geometry")
     if has_functional:
@@ -245,11 +308,20 @@ def layer_summary_sql(has_functional: bool, prefix: str = "") -> str:
             f"FROM ({geometry}) g ORDER BY model, layer, fn_class")
 
 
-def findings_sql(prefix: str = "") -> list[str]:
-    names = {"layer_summary": f"{prefix}layer_summary", "spectra": f"{prefix}spectra",
-             "per_class": PER_CLASS_CTE.format(layer_summary=f"{prefix}layer_summary")}
-    return [FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", **names),
-            FINDINGS_SQL.format(name=f"{prefix}findings", by_class=f"{prefix}findings_by_class", **names)]
+def findings_sql(prefix: str = "", with_replicates: bool = False) -> list[str]:
+    """The findings views of one family; with its bootstrap tables, the `layer_replicates` view too."""
+    columns = ", ".join(f"ls.{c}" for c in STATISTICS[:8])
+    stats = POINT_STATS_SQL.format(columns=columns, layer_summary=f"{prefix}layer_summary", spectra=f"{prefix}spectra")
+    statements = []
+    if with_replicates:
+        statements.append(LAYER_REPLICATES_SQL.format(name=f"{prefix}layer_replicates",
+                                                      geometry_bootstrap=f"{prefix}geometry_bootstrap",
+                                                      functional_bootstrap=f"{prefix}functional_bootstrap"))
+        stats += f" UNION ALL BY NAME SELECT * FROM {prefix}layer_replicates"
+    return [*statements,
+            FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", stats=stats),
+            FINDINGS_SQL.format(name=f"{prefix}findings", by_class=f"{prefix}findings_by_class",
+                                layer_summary=f"{prefix}layer_summary")]
 
 
 def sensitivity_sql() -> str:
@@ -258,7 +330,7 @@ def sensitivity_sql() -> str:
     return SENSITIVITY_SQL.format(measures=measures)
 
 
-DERIVED_VIEWS = ("layer_summary", "findings_by_class", "findings")
+DERIVED_VIEWS = ("layer_summary", "layer_replicates", "findings_by_class", "findings")
 
 
 def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: str) -> list[str]:
@@ -268,9 +340,10 @@ def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: st
         con.execute(layer_summary_sql("functional_summary" in present, prefix))
         views.append(f"{prefix}layer_summary")
     if {"geometry", "functional_summary", "spectra"} <= present:
-        for statement in findings_sql(prefix):
+        replicates = {"geometry_bootstrap", "functional_bootstrap"} <= present
+        for statement in findings_sql(prefix, replicates):
             con.execute(statement)
-        views += [f"{prefix}findings_by_class", f"{prefix}findings"]
+        views += [f"{prefix}layer_replicates"] * replicates + [f"{prefix}findings_by_class", f"{prefix}findings"]
     for name in DERIVED_VIEWS:
         if f"{prefix}{name}" not in views:
             con.execute(f"DROP VIEW IF EXISTS {prefix}{name}")
@@ -301,6 +374,18 @@ def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
         con.execute("DROP VIEW IF EXISTS sweep_runs")
     views = [t for t in TABLES if t in present] + _create_family(con, present, "")
     views += [f"sweep_{t}" for t in SWEEP_TABLES if t in swept] + _create_family(con, swept, "sweep_")
+    converged = {t for t in TABLES if t != "activations" and has_convergence_files(root, t)}
+    for table in TABLES:
+        if table in converged:
+            con.execute(convergence_view_sql(root, table))
+        else:
+            con.execute(f"DROP VIEW IF EXISTS conv_{table}")
+    views += [f"conv_{t}" for t in TABLES if t in converged] + _create_family(con, converged, "conv_")
+    if "conv_findings_by_class" in views and "conv_geometry_bootstrap" in views:
+        con.execute(CONVERGENCE_SQL)
+        views.append("convergence")
+    else:
+        con.execute("DROP VIEW IF EXISTS convergence")
     if has_sweep_runs(root) and "sweep_findings" in views:
         con.execute(sensitivity_sql())
         views += ["sweep_runs", "sensitivity"]
@@ -330,8 +415,9 @@ def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def query(root: str | Path, sql: str) -> pl.DataFrame:
-    """Run SQL over the stored tables; returns a polars frame (empty for statements without rows)."""
+def query(root: str | Path, sql: str, params: list[object] | None = None) -> pl.DataFrame:
+    """Run SQL over the stored tables, with `$1`.. bound to `params`; returns a polars frame (empty
+    for statements without rows)."""
     with connect(root) as con:
-        rel = con.sql(sql)
+        rel = con.sql(sql, params=params) if params else con.sql(sql)
         return rel.pl() if rel is not None else pl.DataFrame()

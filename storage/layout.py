@@ -42,8 +42,8 @@ TABLES_BY_ASSET: dict[str, tuple[str, ...]] = {
     "activations": ("activations",),
     "local_fits": ("local_fits",),
     "residuals": ("residuals",),
-    "geometry": ("geometry", "spectra"),
-    "functional_metrics": ("functional_metrics", "functional_summary"),
+    "geometry": ("geometry", "spectra", "geometry_bootstrap"),
+    "functional_metrics": ("functional_metrics", "functional_summary", "functional_bootstrap"),
 }
 TABLES: tuple[str, ...] = tuple(t for ts in TABLES_BY_ASSET.values() for t in ts)
 STAGING = "_staging"
@@ -81,27 +81,57 @@ def _staging_dir(root: UPath) -> UPath:
     return root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}"
 
 
-def _write_parquet(table: pa.Table, path: Path, table_name: str) -> None:
-    kill = os.environ.get(KILL_MID_WRITE_ENV) == table_name
-    with pq.ParquetWriter(path, table.schema, compression="zstd") as writer:
-        for i, batch in enumerate(table.to_batches(max_chunksize=ROW_GROUP_ROWS if not kill else max(1, len(table) // 2))):
-            writer.write_batch(batch)
-            if kill and i == 0:
+class ParquetSink:
+    """Row groups appended to one Parquet file as they come (the file is opened on the first write,
+    with that table's schema). `close` fsyncs it. Fault injection: with $UPDATELENS_FAULT_KILL_MID_WRITE
+    naming this table, the process is SIGKILLed once the first row group reached the file."""
+
+    def __init__(self, path: Path, table_name: str) -> None:
+        self.path = path
+        self.table_name = table_name
+        self.rows = 0
+        self._writer: pq.ParquetWriter | None = None
+        self._kill = os.environ.get(KILL_MID_WRITE_ENV) == table_name
+
+    def write(self, table: pa.Table, row_group_rows: int = ROW_GROUP_ROWS) -> None:
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, table.schema, compression="zstd")
+        step = max(1, len(table) // 2) if self._kill else row_group_rows
+        for batch in table.to_batches(max_chunksize=step):
+            self._writer.write_batch(batch)
+            self.rows += batch.num_rows
+            if self._kill:
                 os.kill(os.getpid(), signal.SIGKILL)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+
+    def close(self) -> None:
+        if self._writer is None:
+            raise ValueError(f"nothing was written to {self.path}: a partition is never committed empty")
+        self._writer.close()
+        with open(self.path, "rb+") as f:
+            os.fsync(f.fileno())
 
 
-def publish_dir(root: str | Path, final: str | Path, fill: Callable[[Path], None]) -> UPath:
-    """Build a directory with `fill(staging)` (a local folder), then make it `final` whole: readers
-    see the old directory or the new one, never a half-written file (module docstring)."""
+def _write_parquet(table: pa.Table, path: Path, table_name: str) -> None:
+    sink = ParquetSink(path, table_name)
+    sink.write(table)
+    sink.close()
+
+
+@contextmanager
+def staged_dir(root: str | Path, final: str | Path) -> Iterator[Path]:
+    """A local folder to fill; on a normal exit it becomes `final` whole: readers see the old
+    directory or the new one, never a half-written file (module docstring). On an exception
+    nothing under `final` changes and the folder is removed."""
     root, final = as_root(root), as_root(final)
     if not is_local(root):
-        return _publish_remote(root, final, fill)
+        with tempfile.TemporaryDirectory(prefix="updatelens-publish-") as tmp:
+            yield Path(tmp)
+            _commit_remote(root, final, Path(tmp))
+        return
     staging = _staging_dir(root)
     staging.mkdir(parents=True)
     try:
-        fill(staging)
+        yield Path(staging)
         final.parent.mkdir(parents=True, exist_ok=True)
         old = None
         if final.exists():
@@ -111,32 +141,46 @@ def publish_dir(root: str | Path, final: str | Path, fill: Callable[[Path], None
         _fsync_dir(final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        return final
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _publish_remote(root: UPath, final: UPath, fill: Callable[[Path], None]) -> UPath:
+def publish_dir(root: str | Path, final: str | Path, fill: Callable[[Path], None]) -> UPath:
+    """Build a directory with `fill(staging)` (a local folder), then make it `final` whole."""
+    with staged_dir(root, final) as staging:
+        fill(staging)
+    return as_root(final)
+
+
+@contextmanager
+def partition_writer(root: str | Path, table_name: str, model: str, layer: int) -> Iterator[ParquetSink]:
+    """Write one partition incrementally (`sink.write(rows)` per batch); it is committed whole when
+    the block exits normally, and never appears if it fails. Memory: one batch at a time."""
+    final = partition_dir(root, table_name, model, layer)
+    with staged_dir(root, final) as staging:
+        sink = ParquetSink(staging / PART_FILE, table_name)
+        yield sink
+        sink.close()
+
+
+def _commit_remote(root: UPath, final: UPath, tmp: Path) -> None:
     fs = root.fs
     staging = _staging_dir(root)
-    with tempfile.TemporaryDirectory(prefix="updatelens-publish-") as tmp:
-        fill(Path(tmp))
-        names = sorted((p.relative_to(tmp).as_posix() for p in Path(tmp).rglob("*") if p.is_file()),
-                       key=lambda name: (name in ENTRY_FILES, name))
-        try:
-            for name in names:  # upload to temporary keys: nothing under `final` changes yet
-                fs.put_file(str(Path(tmp) / name), (staging / name).path)
-            for name in names:  # commit: one server-side copy per object, the entry file last
-                fs.copy((staging / name).path, (final / name).path)
-            new = {(final / name).path for name in names}
-            stale = [key for key in _find(final) if key not in new]
-            if stale:  # what the previous version had and this one lacks
-                fs.rm(stale)
-        finally:
-            if _find(staging):
-                fs.rm(staging.path, recursive=True)
-    return final
+    names = sorted((p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()),
+                   key=lambda name: (name in ENTRY_FILES, name))
+    try:
+        for name in names:  # upload to temporary keys: nothing under `final` changes yet
+            fs.put_file(str(tmp / name), (staging / name).path)
+        for name in names:  # commit: one server-side copy per object, the entry file last
+            fs.copy((staging / name).path, (final / name).path)
+        new = {(final / name).path for name in names}
+        stale = [key for key in _find(final) if key not in new]
+        if stale:  # what the previous version had and this one lacks
+            fs.rm(stale)
+    finally:
+        if _find(staging):
+            fs.rm(staging.path, recursive=True)
 
 
 def _find(path: UPath) -> list[str]:
@@ -152,6 +196,25 @@ def read_file(path: str | Path) -> pa.Table:
     if is_local(path):
         return pq.read_table(path)
     return pq.read_table(path.path, filesystem=path.fs)
+
+
+def iter_parts(path: str | Path, columns: list[str] | None = None) -> Iterator[pa.Table]:
+    """A stored file one row group at a time (memory: one row group)."""
+    path = as_root(path)
+    handle = open(path, "rb") if is_local(path) else path.fs.open(path.path, "rb")
+    with handle, pq.ParquetFile(handle) as pf:
+        for i in range(pf.num_row_groups):
+            yield pf.read_row_group(i, columns=columns)
+
+
+def read_seq_range(path: str | Path, lo: int, hi: int, columns: list[str] | None = None) -> pa.Table:
+    """The rows of sequences lo <= seq < hi of a stored file: only the row groups whose `seq`
+    statistics overlap the range are read (the writers keep row groups in sequence order)."""
+    path = as_root(path)
+    filters = [("seq", ">=", lo), ("seq", "<", hi)]
+    if is_local(path):
+        return pq.read_table(path, columns=columns, filters=filters)
+    return pq.read_table(path.path, filesystem=path.fs, columns=columns, filters=filters)
 
 
 def write_partition(root: str | Path, table_name: str, model: str, layer: int, table: pa.Table) -> UPath:
@@ -263,6 +326,15 @@ def _remove_dir(root: UPath, path: UPath) -> bool:
     return True
 
 
+def read_partition_columns(root: str | Path, table_name: str, model: str, layer: int,
+                           columns: list[str] | None = None) -> pa.Table:
+    """Some columns of one partition (the scalar ones are small whatever the vectors weigh)."""
+    path = partition_file(root, table_name, model, layer)
+    if not is_local(path):
+        return pq.read_table(path.path, filesystem=path.fs, columns=columns)
+    return pq.read_table(path, columns=columns)
+
+
 def delete_partition(root: str | Path, table_name: str, model: str, layer: int) -> None:
     _remove_dir(as_root(root), partition_dir(root, table_name, model, layer))
 
@@ -296,16 +368,25 @@ SWEEP_TABLES: tuple[str, ...] = ("geometry", "spectra", "functional_metrics", "f
 SWEEP_RUN_FILE = "run.parquet"
 
 
+def family_glob_pattern(root: str | Path, folder: str, key: str, table_name: str) -> str:
+    """The Parquet files of a table across the data roots of a family (`<root>/<folder>/<key>=*/`)."""
+    return url(as_root(root) / folder) + f"/{key}=*/{table_name}/model=*/layer=*/*.parquet"
+
+
+def has_family_files(root: str | Path, folder: str, key: str, table_name: str) -> bool:
+    return _any(as_root(root) / folder, f"{key}=*/{table_name}/model=*/layer=*/{PART_FILE}")
+
+
 def sweep_root(root: str | Path, config_id: str) -> UPath:
     return as_root(root) / SWEEPS / f"config={config_id}"
 
 
 def sweep_glob_pattern(root: str | Path, table_name: str) -> str:
-    return url(as_root(root) / SWEEPS) + f"/config=*/{table_name}/model=*/layer=*/*.parquet"
+    return family_glob_pattern(root, SWEEPS, "config", table_name)
 
 
 def has_sweep_files(root: str | Path, table_name: str) -> bool:
-    return _any(as_root(root) / SWEEPS, f"config=*/{table_name}/model=*/layer=*/{PART_FILE}")
+    return has_family_files(root, SWEEPS, "config", table_name)
 
 
 def sweep_runs_dir(root: str | Path, model: str) -> UPath:
@@ -335,3 +416,22 @@ def clear_sweeps(root: str | Path, model: str) -> int:
         root.fs.invalidate_cache()
     dirs = [sweep_runs_dir(root, model), *sorted(sweeps.glob(f"config=*/*/model={model}"), key=str)]
     return sum(_remove_dir(root, path) for path in dirs)
+
+
+# ---- convergence studies ------------------------------------------------------------------------
+# `updatelens converge` analyses nested samples of one model (the first n_seq windows, for growing
+# n_seq); each sample size is a whole data root of its own under `<root>/convergence/n_seq=<n>/`
+# (the same layout, writers and SQL), and the catalog reads them all as the `conv_` family.
+CONVERGENCE = "convergence"
+
+
+def convergence_root(root: str | Path, n_seq: int) -> UPath:
+    return as_root(root) / CONVERGENCE / f"n_seq={n_seq}"
+
+
+def convergence_glob_pattern(root: str | Path, table_name: str) -> str:
+    return family_glob_pattern(root, CONVERGENCE, "n_seq", table_name)
+
+
+def has_convergence_files(root: str | Path, table_name: str) -> bool:
+    return has_family_files(root, CONVERGENCE, "n_seq", table_name)

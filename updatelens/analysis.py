@@ -8,7 +8,7 @@ Dagster or knows where tables are stored.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,15 +16,23 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from updatelens import CODE_VERSION
+from updatelens.bootstrap import (
+    effective_rank,
+    geometry_replicates,
+    replicate_counts,
+    replicate_grams,
+    weighted_spearman,
+)
 from updatelens.capture import Captured, capture, kept_mask
 from updatelens.config import LOCAL_CLASSES, AnalysisConfig
 from updatelens.corpus import Sample
 from updatelens.fits import LayerFit, fit_layer
 from updatelens.geometry import (
+    Subspace,
     decompose,
-    dominant_subspace,
     projection_metrics,
-    spectrum,
+    spectrum_from_gram,
+    subspace_from_gram,
     token_metrics,
 )
 from updatelens.models import LoadedModel
@@ -34,7 +42,6 @@ from updatelens.perturbation import (
     Variant,
     original_output,
     patched_kl,
-    random_control,
     single_position_kl,
     spearman,
 )
@@ -57,21 +64,28 @@ def provenance(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig) -> Provenan
 
 
 # ---- stage 1: activations -----------------------------------------------------------------------
-def activations_table(cap: Captured, layer: int, cfg: AnalysisConfig, prov: Provenance) -> pa.Table:
-    """Transition l: x = h_l, y = h_{l+1}, every position (kept flags the ones in statistics)."""
-    n_seq, seq_len = cap.input_ids.shape
-    kept = kept_mask(cap.attention_mask, cfg.skip_first_position)
-    d = cap.states.shape[-1]
+def activation_rows(states: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray, layer: int,
+                    cfg: AnalysisConfig, prov: Provenance, seq_offset: int = 0) -> pa.Table:
+    """Transition l for a batch of sequences: x = h_l, y = h_{l+1}, every position (kept flags the
+    ones in statistics). `states` [L+1, b, T, d]; the rows are sequences seq_offset.. of the sample."""
+    n_seq, seq_len = input_ids.shape
+    kept = kept_mask(attention_mask, cfg.skip_first_position)
+    d = states.shape[-1]
     cols = {
-        "seq": pa.array(np.repeat(np.arange(n_seq), seq_len), pa.int32()),
+        "seq": pa.array(np.repeat(np.arange(seq_offset, seq_offset + n_seq), seq_len), pa.int32()),
         "pos": pa.array(np.tile(np.arange(seq_len), n_seq), pa.int32()),
-        "token_id": pa.array(cap.input_ids.reshape(-1), pa.int64()),
-        "attention_mask": pa.array(cap.attention_mask.reshape(-1), pa.int8()),
+        "token_id": pa.array(input_ids.reshape(-1), pa.int64()),
+        "attention_mask": pa.array(attention_mask.reshape(-1), pa.int8()),
         "kept": pa.array(kept.reshape(-1)),
-        "x": vector_column(cap.states[layer].reshape(-1, d)),
-        "y": vector_column(cap.states[layer + 1].reshape(-1, d)),
+        "x": vector_column(states[layer].reshape(-1, d)),
+        "y": vector_column(states[layer + 1].reshape(-1, d)),
     }
     return with_provenance(cols, prov, layer)
+
+
+def activations_table(cap: Captured, layer: int, cfg: AnalysisConfig, prov: Provenance) -> pa.Table:
+    """Transition l of a whole in-memory capture (notebooks, sweeps)."""
+    return activation_rows(cap.states, cap.input_ids, cap.attention_mask, layer, cfg, prov)
 
 
 @dataclass
@@ -83,6 +97,7 @@ class LayerData:
     kept: np.ndarray  # [n_seq, T] bool
     x_full: np.ndarray  # [n_seq, T, d]
     y_full: np.ndarray  # [n_seq, T, d]
+    seq_offset: int = 0  # sample index of the first sequence (a block of the sample starts later)
 
     @property
     def x(self) -> np.ndarray:
@@ -94,7 +109,7 @@ class LayerData:
 
     @property
     def seq(self) -> np.ndarray:
-        return np.nonzero(self.kept)[0].astype(np.int32)
+        return (np.nonzero(self.kept)[0] + self.seq_offset).astype(np.int32)
 
     @property
     def pos(self) -> np.ndarray:
@@ -102,9 +117,11 @@ class LayerData:
 
 
 def layer_data(table: pa.Table) -> LayerData:
+    """A transition's rows (a whole layer, or the sequences of a block) as arrays."""
     table = table.sort_by([("seq", "ascending"), ("pos", "ascending")])
     seq = table["seq"].to_numpy()
-    n_seq, seq_len = int(seq.max()) + 1, int(table["pos"].to_numpy().max()) + 1
+    first = int(seq.min())
+    n_seq, seq_len = int(seq.max()) + 1 - first, int(table["pos"].to_numpy().max()) + 1
     if len(table) != n_seq * seq_len:
         raise ValueError(f"activations table has {len(table)} rows, expected {n_seq} x {seq_len}")
     x = to_matrix(table["x"])
@@ -116,41 +133,97 @@ def layer_data(table: pa.Table) -> LayerData:
         kept=table["kept"].to_numpy(zero_copy_only=False).reshape(n_seq, seq_len),
         x_full=x.reshape(n_seq, seq_len, d),
         y_full=y.reshape(n_seq, seq_len, d),
+        seq_offset=first,
     )
 
 
+@dataclass
+class Transition:
+    """The kept tokens of one layer as arrays (what the fits need), without the full-grid copies."""
+
+    layer: int
+    x: np.ndarray  # [N, d] float32
+    y: np.ndarray  # [N, d] float32
+    seq: np.ndarray  # [N] int32
+    pos: np.ndarray  # [N] int32
+
+
+def transition_from_parts(parts: Iterable[pa.Table], n_kept: int) -> Transition:
+    """Fill a layer's kept rows from its activations row groups (in (seq, pos) order), one row group
+    in memory at a time besides the [n_kept, d] arrays themselves."""
+    x = y = None
+    seq = np.empty(n_kept, np.int32)
+    pos = np.empty(n_kept, np.int32)
+    filled, layer, last = 0, -1, -1
+    for part in parts:
+        kept = part["kept"].to_numpy(zero_copy_only=False)
+        key = part["seq"].to_numpy().astype(np.int64) * (1 << 32) + part["pos"].to_numpy()
+        if len(key) and (np.any(np.diff(key) <= 0) or key[0] <= last):
+            raise ValueError("activations rows are not in (seq, pos) order")
+        last = int(key[-1]) if len(key) else last
+        layer = int(part["layer"][0].as_py()) if len(part) else layer
+        xs, ys = to_matrix(part["x"])[kept], to_matrix(part["y"])[kept]
+        if x is None:
+            x = np.empty((n_kept, xs.shape[1]), np.float32)
+            y = np.empty((n_kept, xs.shape[1]), np.float32)
+        m = len(xs)
+        if filled + m > n_kept:
+            raise ValueError(f"activations hold more than the {n_kept} kept tokens expected")
+        x[filled : filled + m], y[filled : filled + m] = xs, ys
+        seq[filled : filled + m] = part["seq"].to_numpy()[kept]
+        pos[filled : filled + m] = part["pos"].to_numpy()[kept]
+        filled += m
+    if x is None or y is None or filled != n_kept:
+        raise ValueError(f"activations hold {filled} kept tokens, expected {n_kept}")
+    return Transition(layer, x, y, seq, pos)
+
+
 # ---- stage 2: local fits ------------------------------------------------------------------------
-def compute_fits(data: LayerData, cfg: AnalysisConfig) -> tuple[dict[str, LayerFit], np.ndarray | None]:
+def layer_neighbours(data: LayerData | Transition, cfg: AnalysisConfig) -> np.ndarray | None:
+    """The k nearest tokens of every kept token, when a local class needs them."""
+    if not any(c in LOCAL_CLASSES for c in cfg.classes):
+        return None
+    return knn(data.x, data.seq, cfg.k, cfg.metric, cfg.exclusion, cfg.index, cfg.seed, cfg.device,
+               cfg.ann_threshold)
+
+
+def compute_fits(data: LayerData | Transition, cfg: AnalysisConfig) -> tuple[dict[str, LayerFit], np.ndarray | None]:
     x, y, seq = data.x, data.y, data.seq
-    neighbours = None
-    if any(c in LOCAL_CLASSES for c in cfg.classes):
-        neighbours = knn(x, seq, cfg.k, cfg.metric, cfg.exclusion, cfg.index, cfg.seed, cfg.device)
+    neighbours = layer_neighbours(data, cfg)
     fits = {c: fit_layer(c, x, y, seq, neighbours, cfg) for c in cfg.classes}
     return fits, neighbours
 
 
+def fit_row_parts(data: LayerData | Transition, fit: LayerFit, neighbours: np.ndarray | None, prov: Provenance,
+                  layer: int, rows: int = 8192) -> Iterator[pa.Table]:
+    """One class's rows of `local_fits`, `rows` kept tokens at a time (float32 T(x) made per part).
+    `neighbours` holds the k neighbours' row numbers among the layer's kept tokens in (seq, pos)
+    order; null for the per-layer classes."""
+    seq, pos = data.seq, data.pos
+    n = len(seq)
+    width = neighbours.shape[1] if neighbours is not None else 1
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        if neighbours is not None and fit.fn_class in LOCAL_CLASSES:
+            nb = pa.FixedSizeListArray.from_arrays(pa.array(neighbours[lo:hi].reshape(-1).astype(np.int32)), width)
+        else:
+            nb = pa.nulls(hi - lo, pa.list_(pa.int32(), width))
+        yield with_provenance({
+            "fn_class": pa.array([fit.fn_class] * (hi - lo)),
+            "seq": pa.array(seq[lo:hi]),
+            "pos": pa.array(pos[lo:hi]),
+            "tx": vector_column(fit.tx[lo:hi]),
+            "fit_cond": pa.array(fit.cond[lo:hi], pa.float64()),
+            "degenerate": pa.array(fit.degenerate[lo:hi]),
+            "neighbours": nb,
+        }, prov, layer)
+
+
 def fits_table(data: LayerData, fits: dict[str, LayerFit], neighbours: np.ndarray | None,
                prov: Provenance) -> pa.Table:
-    """Rows per (class, kept token). `neighbours` holds the k neighbours' row numbers among the
-    layer's kept tokens in (seq, pos) order; null for the per-layer classes."""
-    n = int(data.kept.sum())
-    width = neighbours.shape[1] if neighbours is not None else 1
-    local_nb = (pa.FixedSizeListArray.from_arrays(pa.array(neighbours.reshape(-1).astype(np.int32)), width)
-                if neighbours is not None else None)
-    parts = []
-    for fn_class, fit in fits.items():
-        nb = local_nb if local_nb is not None and fn_class in LOCAL_CLASSES else pa.nulls(n, pa.list_(pa.int32(), width))
-        cols = {
-            "fn_class": pa.array([fn_class] * n),
-            "seq": pa.array(data.seq),
-            "pos": pa.array(data.pos),
-            "tx": vector_column(fit.tx),
-            "fit_cond": pa.array(fit.cond, pa.float64()),
-            "degenerate": pa.array(fit.degenerate),
-            "neighbours": nb,
-        }
-        parts.append(with_provenance(cols, prov, data.layer))
-    return pa.concat_tables(parts)
+    """Rows per (class, kept token), in memory (notebooks, tests)."""
+    return pa.concat_tables([part for fit in fits.values()
+                             for part in fit_row_parts(data, fit, neighbours, prov, data.layer)])
 
 
 def fits_from_table(table: pa.Table, data: LayerData) -> dict[str, LayerFit]:
@@ -194,31 +267,69 @@ def residuals_table(data: LayerData, fits: dict[str, LayerFit], prov: Provenance
 
 
 # ---- stage 4: geometry --------------------------------------------------------------------------
-def geometry_tables(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConfig,
-                    prov: Provenance) -> tuple[pa.Table, pa.Table]:
-    """Per-token geometry, and the per-layer singular spectra of Δ_full, Δ_tok and r."""
-    token_parts, spec_parts = [], []
-    for fn_class, fit in fits.items():
-        dec = decompose(data.x, data.y, fit.tx)
-        metrics = token_metrics(data.x, data.y, fit.tx, dec)
-        sub = dominant_subspace(dec.delta_tok, cfg.energy_threshold)
-        metrics.update(projection_metrics(dec, sub, cfg.subspace_ms))
-        n = len(fit.tx)
-        cols: dict[str, pa.Array] = {
-            "fn_class": pa.array([fn_class] * n),
-            "seq": pa.array(data.seq),
-            "pos": pa.array(data.pos),
-        }
-        for key, values in metrics.items():
-            if key.startswith("norm_"):
-                continue  # in residuals
-            cols[key] = pa.array(values, pa.float64())
-        cols["m90_tok"] = pa.array([sub.m_energy] * n, pa.int32())
-        token_parts.append(with_provenance(cols, prov, data.layer))
-        for which, v in (("full", dec.delta_full), ("tok", dec.delta_tok), ("res", dec.residual)):
-            sp = spectrum(v, cfg.energy_threshold)
+WHICH = ("full", "tok", "res")
+
+
+class LayerGeometry:
+    """The geometry of one layer in two passes over blocks of whole sequences (or one block: the whole
+    layer), so memory holds a block plus d x d matrices whatever the number of tokens:
+    `accumulate` every block (Gram matrices of Δ_full, Δ_tok and r per class, and per bootstrap
+    resample for the spectra), `finish`, then `token_table` every block (per-token geometry against
+    the dominant tokenwise subspace); `spectra_table` and `bootstrap_table` once at the end."""
+
+    def __init__(self, cfg: AnalysisConfig, classes: list[str], d: int) -> None:
+        self.cfg = cfg
+        self.counts = replicate_counts(cfg.n_seq, cfg.bootstrap, cfg.seed)
+        self.n_spec = min(cfg.bootstrap_spectra, cfg.bootstrap)
+        self.grams = {(c, w): np.zeros((d, d)) for c in classes for w in WHICH}
+        self.replicate_grams = {(c, w): np.zeros((self.n_spec, d, d)) for c in classes for w in WHICH}
+        self.n_rows = 0
+        self.subspaces: dict[str, Subspace] = {}
+        self.scalars: dict[str, list[dict[str, np.ndarray]]] = {c: [] for c in classes}
+
+    def accumulate(self, data: LayerData, fits: dict[str, LayerFit]) -> None:
+        seq = data.seq
+        self.n_rows += len(seq)
+        for fn_class, fit in fits.items():
+            dec = decompose(data.x, data.y, fit.tx)
+            for which, v in zip(WHICH, (dec.delta_full, dec.delta_tok, dec.residual)):
+                self.grams[(fn_class, which)] += v.T @ v
+                if self.n_spec:
+                    self.replicate_grams[(fn_class, which)] += replicate_grams(v, seq, self.counts[: self.n_spec])
+
+    def finish(self) -> None:
+        self.subspaces = {c: subspace_from_gram(g, self.n_rows, self.cfg.energy_threshold)
+                          for (c, w), g in self.grams.items() if w == "tok"}
+
+    def token_table(self, data: LayerData, fits: dict[str, LayerFit], prov: Provenance) -> pa.Table:
+        parts = []
+        for fn_class, fit in fits.items():
+            sub = self.subspaces[fn_class]
+            dec = decompose(data.x, data.y, fit.tx)
+            metrics = token_metrics(data.x, data.y, fit.tx, dec)
+            metrics.update(projection_metrics(dec, sub, self.cfg.subspace_ms))
+            n = len(fit.tx)
+            cols: dict[str, pa.Array] = {
+                "fn_class": pa.array([fn_class] * n),
+                "seq": pa.array(data.seq),
+                "pos": pa.array(data.pos),
+            }
+            for key, values in metrics.items():
+                if key.startswith("norm_"):
+                    continue  # in residuals
+                cols[key] = pa.array(values, pa.float64())
+            cols["m90_tok"] = pa.array([sub.m_energy] * n, pa.int32())
+            parts.append(with_provenance(cols, prov, data.layer))
+            self.scalars[fn_class].append({"seq": data.seq, **{k: metrics[k] for k in (
+                "rel_err", "cos_full_tok", "cos_full_tok_map", "angle_full_res", "angle_tok_res", "proj_res_m16")}})
+        return pa.concat_tables(parts)
+
+    def spectra_table(self, prov: Provenance, layer: int) -> pa.Table:
+        parts = []
+        for (fn_class, which), gram in self.grams.items():
+            sp = spectrum_from_gram(gram, self.n_rows, self.cfg.energy_threshold)
             k = len(sp.singular_values)
-            spec_parts.append(with_provenance({
+            parts.append(with_provenance({
                 "fn_class": pa.array([fn_class] * k),
                 "which": pa.array([which] * k),
                 "idx": pa.array(np.arange(k), pa.int32()),
@@ -226,11 +337,52 @@ def geometry_tables(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisCon
                 "cum_energy": pa.array(sp.cum_energy),
                 "effective_rank": pa.array([sp.effective_rank] * k),
                 "m_energy": pa.array([sp.m_energy] * k, pa.int32()),
-            }, prov, data.layer))
-    return pa.concat_tables(token_parts), pa.concat_tables(spec_parts)
+            }, prov, layer))
+        return pa.concat_tables(parts)
+
+    def bootstrap_table(self, prov: Provenance, layer: int) -> pa.Table:
+        """The findings' per-layer statistics on every resample (`geometry_bootstrap`)."""
+        parts = []
+        b = self.cfg.bootstrap
+        for fn_class, blocks in self.scalars.items():
+            merged = {k: np.concatenate([blk[k] for blk in blocks]) for k in blocks[0]}
+            cols: dict[str, pa.Array] = {"fn_class": pa.array([fn_class] * b),
+                                         "replicate": pa.array(np.arange(b), pa.int32())}
+            cols.update({k: pa.array(v, pa.float64())
+                         for k, v in geometry_replicates(merged["seq"], merged, self.counts).items()})
+            for which in WHICH:
+                ranks = np.full(b, np.nan)
+                if self.n_spec:
+                    ranks[: self.n_spec] = effective_rank(np.linalg.eigvalsh(self.replicate_grams[(fn_class, which)]))
+                cols[f"rank_{which}"] = pa.array(ranks, pa.float64(), from_pandas=True)
+            parts.append(with_provenance(cols, prov, layer))
+        return pa.concat_tables(parts)
+
+
+def geometry_tables(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConfig,
+                    prov: Provenance) -> tuple[pa.Table, pa.Table, pa.Table]:
+    """Per-token geometry, the per-layer singular spectra of Δ_full, Δ_tok and r, and the per-layer
+    statistics of the findings on every bootstrap resample of the sequences: a whole layer in memory."""
+    geo = LayerGeometry(cfg, list(fits), data.x_full.shape[-1])
+    geo.accumulate(data, fits)
+    geo.finish()
+    tokens = geo.token_table(data, fits, prov)
+    return tokens, geo.spectra_table(prov, data.layer), geo.bootstrap_table(prov, data.layer)
 
 
 # ---- stage 5: functional metrics ----------------------------------------------------------------
+def random_directions(data: LayerData, seed: int) -> np.ndarray:
+    """A random unit vector per kept token, drawn per sequence (seeded by seed, layer and the
+    sequence's index in the sample): a token's direction does not depend on the sample size or on
+    how the sample is cut into blocks. [kept tokens, d] in (seq, pos) order."""
+    parts = []
+    for s in range(data.kept.shape[0]):
+        rng = np.random.default_rng([seed, data.layer, data.seq_offset + s])
+        u = rng.standard_normal((int(data.kept[s].sum()), data.y_full.shape[-1]))
+        parts.append(u / np.linalg.norm(u, axis=-1, keepdims=True))
+    return np.concatenate(parts)
+
+
 def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConfig) -> list[Variant]:
     """The main patch per class (y -> T(x) at kept positions) and the configured controls."""
 
@@ -242,10 +394,10 @@ def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConf
     variants = [Variant("patch", c, scatter(fit.tx)) for c, fit in fits.items()]
     primary = fits[cfg.primary_class]
     if "random" in cfg.controls:
-        rng = np.random.default_rng([cfg.seed, data.layer])
+        y = data.y.astype(np.float64)
         norm_res = np.linalg.norm(data.y - primary.tx, axis=1)
         variants.append(Variant("random", cfg.primary_class,
-                                scatter(random_control(data.y.astype(np.float64), norm_res, rng))))
+                                scatter(y + norm_res[:, None] * random_directions(data, cfg.seed))))
     if "crude" in cfg.controls and cfg.crude_class != cfg.primary_class:
         crude = fits[cfg.crude_class]
         variants.append(Variant("crude", cfg.primary_class, scatter(data.y + (crude.tx - primary.tx))))
@@ -254,53 +406,79 @@ def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConf
     return variants
 
 
-def single_positions(data: LayerData, per_seq: int, seed: int) -> np.ndarray:
+def single_positions(kept: np.ndarray, per_seq: int, seed: int) -> np.ndarray:
+    """(sequence, position) pairs [P, 2] of the single-position patches over the whole sample."""
     rng = np.random.default_rng([seed, 7919])
     out = []
-    for s in range(data.kept.shape[0]):
-        candidates = np.flatnonzero(data.kept[s])
+    for s in range(kept.shape[0]):
+        candidates = np.flatnonzero(kept[s])
         chosen = rng.choice(candidates, size=min(per_seq, len(candidates)), replace=False)
         out.extend((s, int(p)) for p in np.sort(chosen))
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
-def functional_tables(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig: OriginalOutput,
-                      cfg: AnalysisConfig, prov: Provenance, returns_tuple: bool = False) -> tuple[pa.Table, pa.Table]:
+FunctionalRows = list[dict[str, np.ndarray | str]]  # per variant: fn_class, variant, seq, pos, kl, rel_err, norm_res
+
+
+def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig: OriginalOutput,
+                    cfg: AnalysisConfig, returns_tuple: bool = False,
+                    positions: np.ndarray | None = None) -> FunctionalRows:
+    """KL of every variant at the measured tokens of `data` (a layer, or a block of its sequences:
+    `orig` covers the same sequences). `positions`: the sample's single-position pairs (patch_mode
+    "single"), in sample sequence numbers."""
     variants = build_variants(data, fits, cfg)
     if cfg.patch_mode == "all":
         kls = patched_kl(lm, data.input_ids, data.layer, variants, orig, cfg.patch_batch, returns_tuple)
         measured = data.kept
     else:
-        positions = single_positions(data, cfg.single_positions, cfg.seed)
-        kls = single_position_kl(lm, data.input_ids, data.layer, variants, data.y_full, positions,
+        assert positions is not None, "single patch mode needs the sample's positions"
+        n_seq = data.kept.shape[0]
+        local = positions[(positions[:, 0] >= data.seq_offset) & (positions[:, 0] < data.seq_offset + n_seq)]
+        local = local - np.array([data.seq_offset, 0])
+        kls = single_position_kl(lm, data.input_ids, data.layer, variants, data.y_full, local,
                                  orig, cfg.patch_batch, returns_tuple)
         measured = np.zeros_like(data.kept)
-        measured[positions[:, 0], positions[:, 1]] = True
+        measured[local[:, 0], local[:, 1]] = True
     seq_idx, pos_idx = np.nonzero(measured)
     key_all = data.seq.astype(np.int64) * data.kept.shape[1] + data.pos
-    key_measured = seq_idx.astype(np.int64) * data.kept.shape[1] + pos_idx
+    key_measured = (seq_idx + data.seq_offset).astype(np.int64) * data.kept.shape[1] + pos_idx
     rows_in_kept = np.searchsorted(key_all, key_measured)
-    token_parts, summary_parts = [], []
+    out: FunctionalRows = []
     for variant, kl_grid in zip(variants, kls):
         fit = fits[variant.fn_class]
         err = token_metrics(data.x[rows_in_kept], data.y[rows_in_kept], fit.tx[rows_in_kept])
-        kl = kl_grid[seq_idx, pos_idx]
+        out.append({"fn_class": variant.fn_class, "variant": variant.name,
+                    "seq": (seq_idx + data.seq_offset).astype(np.int32), "pos": pos_idx.astype(np.int32),
+                    "kl": kl_grid[seq_idx, pos_idx], "rel_err": err["rel_err"], "norm_res": err["norm_res"]})
+    return out
+
+
+def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov: Provenance,
+                                layer: int) -> tuple[pa.Table, pa.Table]:
+    """Per-token and per-layer tables from the rows of every block (concatenated per variant)."""
+    merged: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        merged.setdefault((str(row["fn_class"]), str(row["variant"])), []).append(row)
+    token_parts, summary_parts = [], []
+    for (fn_class, name), parts in merged.items():
+        col = {key: np.concatenate([p[key] for p in parts]) for key in ("seq", "pos", "kl", "rel_err", "norm_res")}
+        kl = col["kl"]
         n = len(kl)
         token_parts.append(with_provenance({
-            "fn_class": pa.array([variant.fn_class] * n),
-            "variant": pa.array([variant.name] * n),
+            "fn_class": pa.array([fn_class] * n),
+            "variant": pa.array([name] * n),
             "patch_mode": pa.array([cfg.patch_mode] * n),
-            "seq": pa.array(seq_idx.astype(np.int32)),
-            "pos": pa.array(pos_idx.astype(np.int32)),
+            "seq": pa.array(col["seq"]),
+            "pos": pa.array(col["pos"]),
             "kl": pa.array(kl),
-            "rel_err": pa.array(err["rel_err"]),
-            "norm_res": pa.array(err["norm_res"]),
-        }, prov, data.layer))
-        s_rel = spearman(err["rel_err"], kl)
-        s_abs = spearman(err["norm_res"], kl)
+            "rel_err": pa.array(col["rel_err"]),
+            "norm_res": pa.array(col["norm_res"]),
+        }, prov, layer))
+        s_rel = spearman(col["rel_err"], kl)
+        s_abs = spearman(col["norm_res"], kl)
         summary_parts.append(with_provenance({
-            "fn_class": pa.array([variant.fn_class]),
-            "variant": pa.array([variant.name]),
+            "fn_class": pa.array([fn_class]),
+            "variant": pa.array([name]),
             "patch_mode": pa.array([cfg.patch_mode]),
             "n_tokens": pa.array([n], pa.int32()),
             "kl_mean": pa.array([float(np.mean(kl)) if n else float("nan")]),
@@ -310,8 +488,34 @@ def functional_tables(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit
             "spearman_relerr_kl_p": pa.array([s_rel.p_value]),
             "spearman_normres_kl": pa.array([s_abs.rho]),
             "spearman_normres_kl_p": pa.array([s_abs.p_value]),
-        }, prov, data.layer))
+        }, prov, layer))
     return pa.concat_tables(token_parts), pa.concat_tables(summary_parts)
+
+
+def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenance, layer: int) -> pa.Table:
+    """Spearman(error, KL) of the main patch on every bootstrap resample of the sequences."""
+    counts = replicate_counts(cfg.n_seq, cfg.bootstrap, cfg.seed)
+    parts = []
+    patch = fm.filter(pc.equal(fm["variant"], "patch"))
+    for fn_class in dict.fromkeys(patch["fn_class"].to_pylist()):
+        part = patch.filter(pc.equal(patch["fn_class"], fn_class))
+        seq, kl = part["seq"].to_numpy(), part["kl"].to_numpy()
+        w = counts[:, seq]
+        parts.append(with_provenance({
+            "fn_class": pa.array([fn_class] * cfg.bootstrap),
+            "replicate": pa.array(np.arange(cfg.bootstrap), pa.int32()),
+            "spearman_relerr_kl": pa.array(weighted_spearman(part["rel_err"].to_numpy(), kl, w), from_pandas=True),
+            "spearman_normres_kl": pa.array(weighted_spearman(part["norm_res"].to_numpy(), kl, w), from_pandas=True),
+        }, prov, layer))
+    return pa.concat_tables(parts)
+
+
+def functional_tables(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig: OriginalOutput,
+                      cfg: AnalysisConfig, prov: Provenance, returns_tuple: bool = False) -> tuple[pa.Table, pa.Table]:
+    """One whole layer in memory (`orig` covers the whole sample): notebooks, sweeps, tests."""
+    positions = single_positions(data.kept, cfg.single_positions, cfg.seed) if cfg.patch_mode == "single" else None
+    rows = functional_rows(lm, data, fits, orig, cfg, returns_tuple, positions)
+    return functional_tables_from_rows(rows, cfg, prov, data.layer)
 
 
 # ---- notebook entry point -----------------------------------------------------------------------
@@ -332,7 +536,7 @@ def analyse_model(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig,
         act = activations_table(cap, layer, cfg, prov)
         data = layer_data(act)
         fits, neighbours = compute_fits(data, cfg)
-        geo, spec = geometry_tables(data, fits, cfg, prov)
+        geo, spec, geo_boot = geometry_tables(data, fits, cfg, prov)
         fm, fs = functional_tables(lm, data, fits, orig, cfg, prov, cap.block_returns_tuple)
         yield LayerResult(layer, {
             "activations": act,
@@ -340,6 +544,8 @@ def analyse_model(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig,
             "residuals": residuals_table(data, fits, prov),
             "geometry": geo,
             "spectra": spec,
+            "geometry_bootstrap": geo_boot,
             "functional_metrics": fm,
             "functional_summary": fs,
+            "functional_bootstrap": functional_bootstrap_table(fm, cfg, prov, layer),
         })

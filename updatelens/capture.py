@@ -63,11 +63,46 @@ def record_block_states(blocks: nn.ModuleList, sink: list[list[torch.Tensor]]) -
             h.remove()
 
 
-def capture(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.ndarray, batch_size: int = 8) -> Captured:
-    """Run the sample through the model in batches and return every block's raw state."""
+@dataclass
+class CapturedBatch:
+    """Every block's raw state for one batch of sequences: rows [start, start + len) of the sample."""
+
+    start: int
+    states: np.ndarray  # [L+1, b, seq_len, d] float32: h_0 .. h_L
+    input_ids: np.ndarray  # [b, seq_len]
+    attention_mask: np.ndarray  # [b, seq_len]
+    block_returns_tuple: bool
+
+
+class _StopForward(Exception):
+    """Raised by a hook once the last needed block has run: the rest of the forward is skipped."""
+
+
+@contextmanager
+def stop_after_block(blocks: nn.ModuleList, last: int) -> Iterator[None]:
+    """Within the context a forward pass ends (with _StopForward) right after block `last`."""
+    def hook(module: nn.Module, args: tuple, output: object) -> None:
+        raise _StopForward
+
+    handle = blocks[last].register_forward_hook(hook) if last < len(blocks) - 1 else None
+    try:
+        yield
+    except _StopForward:
+        pass
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def capture_batches(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.ndarray,
+                    batch_size: int = 8, last_block: int | None = None) -> Iterator[CapturedBatch]:
+    """Run the sample through the model a batch at a time, yielding each batch's states: memory
+    holds one batch (L+1 x b x seq_len x d), whatever the sample size. With `last_block`, each
+    forward stops after that block (transition l needs blocks 0..l only) and the states after it
+    are absent (shape [last_block + 2, ...])."""
+    last = lm.n_layers - 1 if last_block is None else last_block
     if not lm.allows_padding and not np.all(attention_mask == 1):
         raise ValueError(f"{lm.slug}: this architecture has no attention mask; pass unpadded windows")
-    sink: list[list[torch.Tensor]] = [[] for _ in range(lm.n_layers + 1)]
     returns_tuple = False
 
     def probe(module: nn.Module, args: tuple, output: object) -> None:
@@ -77,17 +112,27 @@ def capture(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.ndarray, 
     device = lm.device
     probe_handle = lm.blocks[0].register_forward_hook(probe)
     try:
-        with torch.inference_mode(), record_block_states(lm.blocks, sink):
-            for start in range(0, len(input_ids), batch_size):
-                ids = torch.as_tensor(input_ids[start : start + batch_size], device=device)
-                mask = torch.as_tensor(attention_mask[start : start + batch_size], device=device)
-                kwargs = {"attention_mask": mask} if lm.allows_padding else {}
+        for start in range(0, len(input_ids), batch_size):
+            sink: list[list[torch.Tensor]] = [[] for _ in range(lm.n_layers + 1)]
+            ids = torch.as_tensor(input_ids[start : start + batch_size], device=device)
+            mask = torch.as_tensor(attention_mask[start : start + batch_size], device=device)
+            kwargs = {"attention_mask": mask} if lm.allows_padding else {}
+            with torch.inference_mode(), record_block_states(lm.blocks, sink), stop_after_block(lm.blocks, last):
                 lm.model(input_ids=ids, use_cache=False, **kwargs)
+            states = np.stack([chunks[0].numpy() for chunks in sink[: last + 2]])
+            yield CapturedBatch(start, states, input_ids[start : start + batch_size],
+                                attention_mask[start : start + batch_size], returns_tuple)
     finally:
         probe_handle.remove()
-    states = np.stack([torch.cat(chunks).numpy() for chunks in sink])
+
+
+def capture(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.ndarray, batch_size: int = 8) -> Captured:
+    """The whole sample's states in memory ([L+1, n_seq, seq_len, d]): for notebooks, tests and
+    small samples. The pipeline streams with `capture_batches` instead."""
+    batches = list(capture_batches(lm, input_ids, attention_mask, batch_size))
+    states = np.concatenate([b.states for b in batches], axis=1)
     return Captured(states=states, input_ids=input_ids, attention_mask=attention_mask,
-                    block_returns_tuple=returns_tuple)
+                    block_returns_tuple=batches[-1].block_returns_tuple)
 
 
 def kept_mask(attention_mask: np.ndarray, skip_first_position: bool) -> np.ndarray:

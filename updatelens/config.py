@@ -14,10 +14,12 @@ GLOBAL_CLASSES = ("global_linear", "mlp")
 FN_CLASSES = LOCAL_CLASSES + GLOBAL_CLASSES
 METRICS = ("cosine_centered", "cosine", "l2")
 EXCLUSIONS = ("sequence", "self", "none")
-INDEXES = ("exact", "clustered", "hnsw", "ivf")
+INDEXES = ("auto", "exact", "clustered", "hnsw", "ivf")
 DTYPES = ("float64", "float32")
 PATCH_MODES = ("all", "single")
 CONTROLS = ("random", "crude", "identity")
+# settings that change how the work is batched, never the numbers: left out of config_id
+EXECUTION_KEYS = ("anchor_chunk", "patch_batch", "capture_batch", "kl_block")
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,10 @@ class AnalysisConfig:
     k: int = 64
     metric: str = "cosine_centered"
     exclusion: str = "sequence"
-    index: str = "exact"
+    # "auto": exact search up to ann_threshold kept tokens per layer, the clustered approximate index
+    # above (exact search costs N^2 d: at 131k tokens about 200 s a layer on 2 cores)
+    index: str = "auto"
+    ann_threshold: int = 32768
     # fits
     classes: tuple[str, ...] = ("diagonal", "lowrank")
     rank: int = 8
@@ -51,6 +56,11 @@ class AnalysisConfig:
     # geometry
     subspace_ms: tuple[int, ...] = (1, 4, 16, 64)
     energy_threshold: float = 0.9
+    # bootstrap over sequences: resamples behind every finding's interval; the effective ranks of
+    # finding 3 are resampled on the first `bootstrap_spectra` of them only (each costs three d x d
+    # eigendecompositions per class and layer: about 25 ms each for d = 576 on this 2-core machine)
+    bootstrap: int = 200
+    bootstrap_spectra: int = 0
     # functional metrics
     patch_mode: str = "all"
     single_positions: int = 4  # positions per sequence in "single" patch mode
@@ -58,6 +68,9 @@ class AnalysisConfig:
     control_class: str = ""  # class whose residual the controls use; "" = the last class listed
     crude_class: str = "diagonal"
     patch_batch: int = 8  # rows (variant x sequence) per patched forward pass (8: measured fastest on SmolLM2, CPU)
+    # sequences whose unpatched distributions are held at once by the functional stage: its memory is
+    # kl_block x seq_len x vocabulary x 4 bytes (SmolLM2: 16 x 128 x 49,152 x 4 = 403 MB), whatever n_seq
+    kl_block: int = 16
     # execution
     capture_batch: int = 8
     device: str = "cpu"
@@ -124,6 +137,11 @@ class AnalysisConfig:
             if self.n_seq < self.folds:
                 bad(f"n_seq={self.n_seq} is below folds={self.folds}: each fold needs a held-out "
                     f"sequence")
+        if self.bootstrap < 0 or self.bootstrap_spectra < 0:
+            bad(f"bootstrap and bootstrap_spectra must be >= 0, got {self.bootstrap}, {self.bootstrap_spectra}")
+        if self.bootstrap_spectra > self.bootstrap:
+            bad(f"bootstrap_spectra={self.bootstrap_spectra} exceeds bootstrap={self.bootstrap}: the spectra "
+                f"are resampled on the first bootstrap_spectra resamples")
         if not self.subspace_ms or min(self.subspace_ms) < 1:
             bad(f"subspace_ms must be positive integers, got {self.subspace_ms}")
         if not 0 < self.energy_threshold <= 1:
@@ -136,8 +154,8 @@ class AnalysisConfig:
                     f"{self.classes}; add it or drop 'crude' from controls")
         if self.control_class and self.control_class not in self.classes:
             bad(f"control_class={self.control_class!r} is not among classes {self.classes}")
-        if self.patch_batch < 1 or self.capture_batch < 1 or self.anchor_chunk < 1:
-            bad("patch_batch, capture_batch and anchor_chunk must be >= 1")
+        if min(self.patch_batch, self.capture_batch, self.anchor_chunk, self.kl_block) < 1:
+            bad("patch_batch, capture_batch, anchor_chunk and kl_block must be >= 1")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             bad(f"device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
 
@@ -160,7 +178,7 @@ class AnalysisConfig:
     def config_id(self) -> str:
         """Short hash of everything that changes results (execution batch sizes excluded)."""
         d = self.to_dict()
-        for key in ("anchor_chunk", "patch_batch", "capture_batch"):
+        for key in EXECUTION_KEYS:
             d.pop(key)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -175,3 +193,19 @@ class AnalysisConfig:
     def replace(self, **changes: object) -> "AnalysisConfig":
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+
+
+# Named starting points for `updatelens run --preset NAME` (explicit settings override them).
+# study: a sample large enough for the paper's claims to settle (1024 windows of 128 tokens,
+# 130,048 kept tokens per layer), the default classes and controls, intervals for every finding.
+PRESETS: dict[str, dict[str, object]] = {
+    "study": {"n_seq": 1024, "seq_len": 128, "classes": ["diagonal", "lowrank"], "controls": ["random", "crude"],
+              "bootstrap": 200, "bootstrap_spectra": 50},
+}
+
+
+def preset_layers(name: str, n_layers: int) -> list[int]:
+    """The layers a preset analyses when none are given: the study takes the first, middle and last."""
+    if name == "study":
+        return sorted({0, n_layers // 2, n_layers - 1})
+    raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")

@@ -111,7 +111,10 @@ class Spectrum:
 
 
 def spectrum(v: np.ndarray, threshold: float = 0.9) -> Spectrum:
-    s = np.linalg.svd(np.asarray(v, np.float64), compute_uv=False)
+    return _spectrum_of(np.linalg.svd(np.asarray(v, np.float64), compute_uv=False), threshold)
+
+
+def _spectrum_of(s: np.ndarray, threshold: float) -> Spectrum:
     energy = s**2
     total = energy.sum()
     if total > 0:
@@ -122,3 +125,25 @@ def spectrum(v: np.ndarray, threshold: float = 0.9) -> Spectrum:
     else:
         eff, cum = 0.0, np.zeros_like(s)
     return Spectrum(singular_values=s, cum_energy=cum, effective_rank=eff, m_energy=energy_m(s, threshold))
+
+
+def _gram_eigen(gram: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Singular values (descending) and right singular vectors of a matrix from its Gram matrix
+    V^T V [d, d]: at most min(n_rows, d) of them, as the SVD of the stacked rows gives."""
+    eigenvalues, vectors = np.linalg.eigh(gram)
+    keep = min(n_rows, gram.shape[0])
+    order = np.argsort(eigenvalues)[::-1][:keep]
+    return np.sqrt(np.clip(eigenvalues[order], 0.0, None)), vectors[:, order]
+
+
+def subspace_from_gram(gram: np.ndarray, n_rows: int, threshold: float = 0.9) -> Subspace:
+    """`dominant_subspace` of the stacked rows, from their d x d Gram matrix accumulated block by block
+    (memory d x d whatever the number of rows; energies agree with the SVD to float rounding)."""
+    s, vectors = _gram_eigen(gram, n_rows)
+    return Subspace(basis=vectors, singular_values=s, m_energy=energy_m(s, threshold))
+
+
+def spectrum_from_gram(gram: np.ndarray, n_rows: int, threshold: float = 0.9) -> Spectrum:
+    """`spectrum` of the stacked rows from their Gram matrix."""
+    s, _ = _gram_eigen(gram, n_rows)
+    return _spectrum_of(s, threshold)

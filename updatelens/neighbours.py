@@ -121,8 +121,16 @@ def exclusion_width(groups: np.ndarray, exclusion: str) -> int:
     return 1 if exclusion == "self" else 0
 
 
+def resolve_index(index: str, n: int, ann_threshold: int) -> str:
+    """The index `knn` uses for n points: "auto" is exact up to ann_threshold points, else clustered."""
+    if index != "auto":
+        return index
+    return "exact" if n <= ann_threshold else "clustered"
+
+
 def knn(x: np.ndarray, groups: np.ndarray, k: int, metric: str = "cosine_centered",
-        exclusion: str = "sequence", index: str = "exact", seed: int = 0, device: str = "cpu") -> np.ndarray:
+        exclusion: str = "sequence", index: str = "exact", seed: int = 0, device: str = "cpu",
+        ann_threshold: int = 32768) -> np.ndarray:
     """Indices [N, k] of each token's k nearest neighbours, nearest first.
 
     exclusion: "sequence" drops every token of the anchor's own group (its sequence), "self" only
@@ -133,6 +141,7 @@ def knn(x: np.ndarray, groups: np.ndarray, k: int, metric: str = "cosine_centere
     clustered products with torch, exact and IVF where faiss-gpu is installed; else on the CPU.
     """
     n = len(x)
+    index = resolve_index(index, n, ann_threshold)
     groups = np.asarray(groups)
     extra = exclusion_width(groups, exclusion)
     candidates = n - extra

@@ -187,10 +187,15 @@ def _as_index(seqs: list[int]) -> slice | list[int]:
     return seqs
 
 
-def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_head: bool = True) -> OriginalOutput:
+def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_head: bool = True,
+                    resume: tuple[int, np.ndarray] | None = None, returns_tuple: bool = False) -> OriginalOutput:
     """The unpatched pass over the sample. The head takes the fast path only if it is a bias-free
     or biased `nn.Linear` whose output is exactly the model's logits (no scaling or soft-capping
-    after it); `fast_head=False` forces the plain definition."""
+    after it); `fast_head=False` forces the plain definition.
+
+    resume=(layer, h) with h [n_seq, T, d] the captured output of block `layer` starts the pass
+    after that block (as the patched passes do, see `resume_at_block`): the same distributions
+    for (L - layer - 1) / L of the blocks; the functional stage checks it against a full forward."""
     module = output_layer(lm)
     head = LinearHead(module.weight) if fast_head and isinstance(module, nn.Linear) else None
     logp: torch.Tensor | None = None  # [n_seq, T, V] filled in place: no second copy from a cat
@@ -198,10 +203,13 @@ def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_hea
     with torch.inference_mode():
         for start in range(0, len(input_ids), batch):
             ids = torch.as_tensor(input_ids[start : start + batch], device=lm.device)
-            with recording_head(module) if head is not None else nullcontext({}) as seen:  # type: ignore[arg-type]
+            resumed = (resume_at_block(lm.blocks, resume[0], torch.as_tensor(resume[1][start : start + batch],
+                                                                             device=lm.device), returns_tuple)
+                       if resume is not None else nullcontext())
+            with resumed, recording_head(module) if head is not None else nullcontext({}) as seen:  # type: ignore[arg-type]
                 logits = lm.model(input_ids=ids, use_cache=False, **_padding_kwargs(lm, ids)).logits
             if head is not None and not torch.equal(seen["output"].to(logits.dtype), logits):
-                return original_output(lm, input_ids, batch, fast_head=False)  # post-processed logits
+                return original_output(lm, input_ids, batch, False, resume, returns_tuple)  # post-processed logits
             if logp is None:
                 logp = torch.empty((len(input_ids), *logits.shape[1:]), dtype=torch.float32, device=logits.device)
             if head is not None:
@@ -280,13 +288,6 @@ def single_position_kl(lm: LoadedModel, input_ids: np.ndarray, layer: int, varia
             for i, (v, s, p) in enumerate(chunk):
                 out[v][s, p] = float(kl[i])
     return out
-
-
-def random_control(y: np.ndarray, residual_norm: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """y + ||r|| u with u a random unit vector per token: exactly as far from y as T(x) is."""
-    u = rng.standard_normal(y.shape)
-    u /= np.linalg.norm(u, axis=-1, keepdims=True)
-    return y + residual_norm[..., None] * u
 
 
 @dataclass

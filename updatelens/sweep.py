@@ -136,7 +136,7 @@ def sweep(lm: LoadedModel, sample: Sample, runs: Sequence[SweepRun], layers: Seq
             cfg = run.config
             prov = provenance(lm, sample, cfg)
             fits, _ = compute_fits(data, cfg)
-            geometry, spectra = geometry_tables(data, fits, cfg, prov)
+            geometry, spectra, _ = geometry_tables(data, fits, cfg, prov)
             per_token, summary = functional_tables(lm, data, fits, orig, cfg, prov, cap.block_returns_tuple)
             write(run, layer, {"geometry": geometry, "spectra": spectra,
                                "functional_metrics": per_token, "functional_summary": summary})

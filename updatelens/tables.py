@@ -45,6 +45,10 @@ class Provenance:
         return out
 
 
+PROVENANCE_COLUMNS: tuple[str, ...] = ("model", "model_revision", "corpus", "corpus_slice", "config_id", "k", "rank",
+                                       "dtype", "code_version", "config_json")
+
+
 def with_provenance(columns: dict[str, pa.Array | np.ndarray], prov: Provenance, layer: int) -> pa.Table:
     """Rows carry model and layer too (also the hive partition values), so a file stands alone."""
     n = len(next(iter(columns.values()))) if columns else 0

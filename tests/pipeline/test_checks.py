@@ -84,20 +84,20 @@ def test_nan_rows_in_activations_block_the_fits(zoo: Path, tmp_path: Path, monke
     def nan_rows(t: pa.Table) -> pa.Table:
         return with_vectors(t, "y", lambda v: np.where(np.arange(len(v))[:, None] % 7 == 3, np.nan, v))
 
-    corrupt(monkeypatch, assets.activations, "activations_table", nan_rows)
+    corrupt(monkeypatch, assets.activations, "activation_rows", nan_rows)
     result, instance = run(zoo, tmp_path)
     assert_blocked(result, instance, "activations_valid", "y has 14 rows with NaN/Inf", "local_fits", tmp_path)
 
 
 def test_wrong_row_count_in_activations_blocks_the_fits(zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    corrupt(monkeypatch, assets.activations, "activations_table", lambda t: t.slice(0, len(t) - 5))
+    corrupt(monkeypatch, assets.activations, "activation_rows", lambda t: t.slice(0, len(t) - 5))
     result, instance = run(zoo, tmp_path)
     assert_blocked(result, instance, "activations_valid", "ExpectTableRowCountToEqual(value=96) failed",
                    "local_fits", tmp_path)
 
 
 def test_wrong_vector_length_blocks_the_fits(zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    corrupt(monkeypatch, assets.activations, "activations_table", lambda t: with_vectors(t, "x", lambda v: v[:, :-1]))
+    corrupt(monkeypatch, assets.activations, "activation_rows", lambda t: with_vectors(t, "x", lambda v: v[:, :-1]))
     result, instance = run(zoo, tmp_path)
     assert_blocked(result, instance, "activations_valid", "x vectors have length 31, expected d_model = 32",
                    "local_fits", tmp_path)
@@ -117,7 +117,7 @@ def test_negative_kl_fails_the_functional_check(zoo: Path, tmp_path: Path, monke
         kl[::10] = -0.5
         return fm.set_column(fm.schema.get_field_index("kl"), "kl", pa.array(kl)), fs
 
-    corrupt(monkeypatch, assets.functional_metrics, "functional_tables", negative)
+    corrupt(monkeypatch, assets.functional_metrics, "functional_tables_from_rows", negative)
     result, _ = run(zoo, tmp_path)
     evaluation = evaluations(result)["functional_valid"]
     assert not evaluation.passed

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from scipy.stats import linregress
 
@@ -96,3 +97,25 @@ def test_timeit_pair_alternates_and_returns_each_functions_median() -> None:
     t_a, t_b = bench.timeit_pair(lambda: calls.append("a"), lambda: (calls.append("b"), time.sleep(0.02)), reps=4)
     assert calls == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]  # warm-ups, then a b / b a / ...
     assert t_b > 0.015 > t_a
+
+
+def test_scale_records_bound_memory_and_fit_the_time_exponent(tmp_path: Path) -> None:
+    points = [bench.ScalePoint(8192, 100.0, 2.0), bench.ScalePoint(32768, 400.0, 2.2),
+              bench.ScalePoint(131072, 1600.0, 2.4)]
+    records = {r.name: r for r in bench.scale_records(points)}
+    assert records["scale_peak_rss_gib"].ratio == pytest.approx(1.2) and records["scale_peak_rss_gib"].met
+    assert records["scale_time_exponent_in_n"].value == pytest.approx(1.0) and records["scale_time_exponent_in_n"].met
+    grown = {r.name: r for r in bench.scale_records([*points[:2], bench.ScalePoint(131072, 3200.0, 3.5)])}
+    assert not grown["scale_peak_rss_gib"].met and not grown["scale_time_exponent_in_n"].met
+    bench.write_scale_json(points, tmp_path / "scale.json")
+    assert json.loads((tmp_path / "scale.json").read_text())[2] == {"n_tokens": 131072, "wall_s": 1600.0,
+                                                                   "peak_rss_gib": 2.4}
+
+
+def test_a_met_target_near_its_bound_is_marginal() -> None:
+    near = bench.Record("x", 0.59, "", 1.0, 0.59, "<= 0.6 x L full forwards", True)
+    clear = bench.Record("x", 0.40, "", 1.0, 0.40, "<= 0.6 x L full forwards", True)
+    absolute = bench.Record("rss", 2.9, "GiB", None, None, "<= 3 GiB", True)
+    assert bench.marginal(near) and not bench.marginal(clear) and bench.marginal(absolute)
+    assert not bench.marginal(bench.Record("x", 0.61, "", 1.0, 0.61, "<= 0.6 x L full forwards", False))
+    assert "marginal" in bench.table([near])

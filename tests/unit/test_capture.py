@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from updatelens.capture import capture, kept_mask
+from updatelens.capture import capture, capture_batches, kept_mask
 from updatelens.models import ADAPTERS, largest_module_list, locate_blocks
 
 SLUGS = ["tiny-gpt2", "tiny-llama", "tiny-neox", "tiny-mamba"]
@@ -25,6 +25,20 @@ def test_batched_capture_equals_one_sequence_at_a_time(tiny_models: dict, slug: 
     single = capture(lm, x, mask, batch_size=1)
     assert batched.states.shape == (lm.n_layers + 1, 4, 12, lm.d_model)
     np.testing.assert_allclose(batched.states, single.states, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("slug", SLUGS)
+def test_capture_streams_batches_and_stops_after_the_last_needed_block(tiny_models: dict, slug: str) -> None:
+    lm = tiny_models[slug]
+    x = ids(n=5)
+    full = capture(lm, x, np.ones_like(x), batch_size=5).states
+    batches = list(capture_batches(lm, x, np.ones_like(x), batch_size=2, last_block=0))
+    assert [b.start for b in batches] == [0, 2, 4]
+    early = np.concatenate([b.states for b in batches], axis=1)
+    assert early.shape == (2, 5, 12, lm.d_model)  # h_0 and h_1: transition 0 only
+    np.testing.assert_allclose(early, full[:2], rtol=1e-5, atol=1e-5)
+    again = capture(lm, x, np.ones_like(x), batch_size=5).states  # no hook left behind
+    np.testing.assert_array_equal(again, full)
 
 
 @pytest.mark.parametrize("slug", SLUGS)

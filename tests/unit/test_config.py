@@ -16,6 +16,10 @@ BAD = [
     (dict(controls=("sideways",)), "unknown control"),
     (dict(seq_len=300), "exceeds the model's context of 256"),
     (dict(device="tpu"), "device must be"),
+    (dict(bootstrap=-1), "bootstrap and bootstrap_spectra must be >= 0"),
+    (dict(bootstrap=10, bootstrap_spectra=20), "bootstrap_spectra=20 exceeds bootstrap=10"),
+    (dict(kl_block=0), "kl_block must be >= 1"),
+    (dict(index="annoy"), "unknown index"),
 ]
 
 
@@ -29,7 +33,31 @@ def test_defaults_are_valid_and_config_id_tracks_results_not_batching() -> None:
     base = AnalysisConfig()
     base.validate(d_model=576, max_positions=8192)
     assert base.replace(patch_batch=3).config_id == base.config_id
+    assert base.replace(kl_block=4).config_id == base.config_id
+    assert base.replace(bootstrap=50).config_id != base.config_id
     assert base.replace(k=32).config_id != base.config_id
     assert AnalysisConfig.from_dict(base.to_dict()) == base
     with pytest.raises(ConfigError, match="unknown configuration keys"):
         AnalysisConfig.from_dict({"kk": 3})
+
+
+def test_study_preset_and_its_layers() -> None:
+    from updatelens.config import PRESETS, preset_layers
+
+    cfg = AnalysisConfig(**PRESETS["study"])
+    cfg.validate(d_model=576, max_positions=8192)
+    assert cfg.n_seq * cfg.seq_len == 131072 and cfg.bootstrap_spectra > 0
+    assert preset_layers("study", 30) == [0, 15, 29]
+    assert preset_layers("study", 2) == [0, 1]
+    with pytest.raises(ConfigError, match="unknown preset"):
+        preset_layers("huge", 30)
+
+
+def test_layer_lists_and_ranges_parse_or_name_the_bad_part() -> None:
+    from orchestration.cli import _parse_layers
+
+    assert _parse_layers("3-7,10") == [3, 4, 5, 6, 7, 10]
+    assert _parse_layers("0,15,29") == [0, 15, 29]
+    assert _parse_layers(None) is None
+    with pytest.raises(ValueError, match="'x' is not a layer"):
+        _parse_layers("3,x")

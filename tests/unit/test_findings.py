@@ -4,22 +4,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import duckdb
 import numpy as np
 import pyarrow as pa
 import pytest
 
 from storage import catalog
-from storage.layout import sweep_root, write_partition, write_sweep_run
+from storage.layout import convergence_root, sweep_root, write_partition, write_sweep_run
 
 LAYERS, CLASSES, TOKENS = 3, ("diagonal", "lowrank"), 5
 PROV = {"config_id": "c1", "model_revision": "r", "corpus_slice": "s", "k": 8, "rank": 2, "dtype": "float64",
         "code_version": "v"}
 
 
-def fixture(root: Path, config_id: str = "c1", seed: int = 0) -> dict[str, np.ndarray]:
+def fixture(root: Path, config_id: str = "c1", seed: int = 0, n_seq: int = 4) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    prov = {**PROV, "config_id": config_id}
+    prov = {**PROV, "config_id": config_id, "config_json": json.dumps({"n_seq": n_seq, "seq_len": 128})}
     values: dict[str, np.ndarray] = {}
     for c_i, fn_class in enumerate(CLASSES):
         shape = (LAYERS, TOKENS)
@@ -133,3 +135,88 @@ def test_sensitivity_against_hand_computation(tmp_path: Path) -> None:
     with duckdb.connect() as con:
         views = catalog.create_views(con, tmp_path)
     assert "findings" not in views and {"sweep_findings", "sensitivity"} <= set(views)
+
+
+def replicate_fixture(root: Path, n_rep: int = 40, seed: int = 5, config_id: str = "c1",
+                      n_seq: int = 4) -> dict[str, np.ndarray]:
+    """Per-layer statistics of bootstrap resamples (the tables the geometry and functional stages write)."""
+    rng = np.random.default_rng(seed)
+    prov = {**PROV, "config_id": config_id, "config_json": json.dumps({"n_seq": n_seq, "seq_len": 128})}
+    reps: dict[str, np.ndarray] = {}
+    for fn_class in CLASSES:
+        for name, low, high in (("rel_err_median", 0.2, 0.9), ("cos_full_tok_median", 0.8, 1.0),
+                                ("cos_full_tok_map_median", 0.8, 1.0), ("frac_res_angle_gt60", 0.0, 1.0),
+                                ("frac_res_tok_angle_gt60", 0.0, 1.0), ("proj_res_m16", 0.3, 0.5),
+                                ("spearman_relerr_kl", 0.5, 0.9), ("spearman_normres_kl", 0.5, 0.9),
+                                ("rank_full", 5, 20), ("rank_tok", 5, 20), ("rank_res", 30, 60)):
+            reps[f"{name}/{fn_class}"] = rng.uniform(low, high, (n_rep, LAYERS))
+    for layer in range(LAYERS):
+        geo, fun = [], []
+        for fn_class in CLASSES:
+            ids = {"model": ["m"] * n_rep, "layer": pa.array([layer] * n_rep, pa.int32()), "fn_class": [fn_class] * n_rep,
+                   "replicate": pa.array(np.arange(n_rep), pa.int32()), **{k: [v] * n_rep for k, v in prov.items()}}
+            geo.append(pa.table({**ids, **{name: reps[f"{name}/{fn_class}"][:, layer] for name in
+                                           ("rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median",
+                                            "frac_res_angle_gt60", "frac_res_tok_angle_gt60", "proj_res_m16",
+                                            "rank_full", "rank_tok", "rank_res")}}))
+            fun.append(pa.table({**ids, "spearman_relerr_kl": reps[f"spearman_relerr_kl/{fn_class}"][:, layer],
+                                 "spearman_normres_kl": reps[f"spearman_normres_kl/{fn_class}"][:, layer]}))
+        write_partition(root, "geometry_bootstrap", "m", layer, pa.concat_tables(geo))
+        write_partition(root, "functional_bootstrap", "m", layer, pa.concat_tables(fun))
+    return reps
+
+
+def test_intervals_are_quantiles_of_the_findings_on_each_resample(tmp_path: Path) -> None:
+    v = fixture(tmp_path)
+    reps = replicate_fixture(tmp_path)
+    rows = {(r["fn_class"], r["finding"]): r for r in catalog.query(tmp_path, "SELECT * FROM findings_by_class").to_dicts()}
+    for fn_class in CLASSES:
+        per_rep = {
+            "1": np.median(reps[f"cos_full_tok_median/{fn_class}"], axis=1),
+            "2 projection": reps[f"proj_res_m16/{fn_class}"].mean(axis=1),
+            "3": np.maximum(reps[f"rank_full/{fn_class}"].mean(axis=1), reps[f"rank_tok/{fn_class}"].mean(axis=1))
+            / reps[f"rank_res/{fn_class}"].mean(axis=1),
+            "4": np.median(reps[f"spearman_relerr_kl/{fn_class}"], axis=1),
+            "5": np.median(reps["rel_err_median/diagonal"], axis=1) - np.median(reps["rel_err_median/lowrank"], axis=1),
+            "6": reps[f"rel_err_median/{fn_class}"][:, 1] - reps[f"rel_err_median/{fn_class}"][:, [0, 2]].mean(axis=1),
+        }
+        for finding, values in per_rep.items():
+            row = rows[(fn_class, finding)]
+            lo, hi = np.quantile(values, [0.025, 0.975])
+            assert row["ci_lo"] == pytest.approx(lo, rel=1e-9) and row["ci_hi"] == pytest.approx(hi, rel=1e-9)
+            assert row["n_resamples"] == 40
+            assert row["value"] == pytest.approx(hand_findings(v, fn_class)[finding], rel=1e-9)
+        # the three-valued verdict from where the interval lies against the threshold
+        for (cls, finding), row in rows.items():
+            bound = float(row["threshold"].split()[1])
+            above = row["threshold"].startswith(">=")
+            lo, hi = row["ci_lo"], row["ci_hi"]
+            expected = ("holds" if (lo >= bound if above else hi <= bound)
+                        else "fails" if (hi < bound if above else lo > bound) else "undecided")
+            assert row["verdict"] == expected, (cls, finding)
+    verdicts = {r["verdict"] for r in rows.values()}
+    assert {"holds", "fails", "undecided"} <= verdicts, verdicts
+
+
+def test_without_resamples_there_is_no_interval_and_no_verdict(tmp_path: Path) -> None:
+    fixture(tmp_path)
+    frame = catalog.query(tmp_path, "SELECT ci_lo, ci_hi, verdict, n_resamples FROM findings")
+    assert frame["ci_lo"].is_null().all() and frame["verdict"].is_null().all()
+    assert (frame["n_resamples"] == 0).all()
+
+
+def test_convergence_lists_each_finding_at_each_sample_size(tmp_path: Path) -> None:
+    """Nested samples stored as data roots under convergence/: one row per (finding, class, size)."""
+    for n_seq, cid, seed in ((16, "c16", 0), (64, "c64", 1)):
+        fixture(convergence_root(tmp_path, n_seq), cid, seed=seed, n_seq=n_seq)
+        replicate_fixture(convergence_root(tmp_path, n_seq), config_id=cid, seed=seed, n_seq=n_seq)
+    rows = catalog.query(tmp_path, "SELECT * FROM convergence WHERE model = $1", ["m"]).to_dicts()
+    assert {r["n_tokens"] for r in rows} == {16 * 128, 64 * 128}
+    by_size = {(r["finding"], r["fn_class"], r["n_tokens"]): r for r in rows}
+    small = hand_findings(fixture(tmp_path / "again", "x", seed=0), "lowrank")
+    assert by_size[("4", "lowrank", 2048)]["value"] == pytest.approx(small["4"], rel=1e-9)
+    assert by_size[("4", "lowrank", 2048)]["ci_lo"] <= by_size[("4", "lowrank", 2048)]["ci_hi"]
+    assert by_size[("1", "diagonal", 8192)]["layers"] == "0,1,2"
+    with duckdb.connect() as con:  # the main views stay empty: nothing was stored outside convergence/
+        views = catalog.create_views(con, tmp_path)
+    assert "findings" not in views and "convergence" in views

@@ -200,3 +200,19 @@ def test_spearman_pairs_tokens_and_skips_non_finite() -> None:
     anti = spearman(np.array([1.0, 2, 3, 4]), np.array([4.0, 3, 2, 1]))
     assert anti.rho == pytest.approx(-1.0)
     assert np.isnan(spearman(np.ones(5), np.arange(5.0)).rho)
+
+
+@pytest.mark.parametrize("slug", SLUGS)
+def test_original_output_resumed_from_a_captured_state_equals_the_full_forward(tiny_models: dict, slug: str) -> None:
+    lm = tiny_models[slug]
+    ids, cap = setup(lm)
+    full = original_output(lm, ids, 2)
+    for layer in (0, lm.n_layers - 1):
+        resumed = original_output(lm, ids, 2, resume=(layer, cap.states[layer + 1]))
+        torch.testing.assert_close(resumed.logp, full.logp, rtol=1e-5, atol=1e-5)
+        if full.head_input is not None:
+            torch.testing.assert_close(resumed.head_input, full.head_input, rtol=1e-5, atol=1e-5)
+    # a wrong state is not silently the same: the resumed distributions move
+    noise = 10 * np.random.default_rng(1).standard_normal(cap.states[1].shape).astype(np.float32)
+    moved = original_output(lm, ids, 2, resume=(0, cap.states[1] + noise))
+    assert not torch.allclose(moved.logp, full.logp, atol=1e-5)

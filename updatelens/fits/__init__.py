@@ -76,8 +76,11 @@ def fit_local_batched(fn_class: str, x: np.ndarray, y: np.ndarray, neighbours: n
     With workers > 1 the chunks run on that many threads, torch single-threaded meanwhile (see
     THREADED_CLASSES); the result is the same chunk by chunk (to BLAS rounding) and in order."""
     fitter = LOCAL_FITTERS[fn_class]
-    X_all = torch.as_tensor(x, device=device).to(dtype)
-    D_all = torch.as_tensor(y, device=device).to(dtype) - X_all  # once: each token is in ~k neighbourhoods
+    # x and y stay in their stored precision (float32: half the memory of a float64 copy of each);
+    # a chunk's neighbours are gathered, then cast, and D = Y - X formed in the fit's dtype: the
+    # same values as casting whole arrays first, without holding two [N, d] float64 copies
+    X_all = torch.as_tensor(x, device=device)
+    Y_all = torch.as_tensor(y, device=device)
     nb = torch.as_tensor(neighbours, device=device)
 
     def one(start: int) -> LocalFit:
@@ -86,9 +89,9 @@ def fit_local_batched(fn_class: str, x: np.ndarray, y: np.ndarray, neighbours: n
         # over a whole threaded lowrank fit
         idx = nb[start : start + chunk]
         flat = idx.reshape(-1)
-        X = X_all.index_select(0, flat).view(*idx.shape, -1)
-        D = D_all.index_select(0, flat).view(*idx.shape, -1)
-        return fitter(X, D, X_all[start : start + len(idx)], params)
+        X = X_all.index_select(0, flat).view(*idx.shape, -1).to(dtype)
+        D = Y_all.index_select(0, flat).view(*idx.shape, -1).to(dtype) - X
+        return fitter(X, D, X_all[start : start + len(idx)].to(dtype), params)
 
     starts = range(0, len(nb), chunk)
     n_workers = min(default_workers(fn_class, device) if workers is None else workers, len(starts))

@@ -1,0 +1,81 @@
+"""Bootstrap statistics on weights equal the statistics on the explicitly resampled rows."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats
+
+from updatelens.bootstrap import (
+    effective_rank,
+    replicate_counts,
+    replicate_grams,
+    spectrum_replicates,
+    weighted_mean,
+    weighted_median,
+    weighted_spearman,
+)
+from updatelens.geometry import spectrum
+
+
+def expanded(seq: np.ndarray, counts_row: np.ndarray) -> np.ndarray:
+    """Row indices of the resample: each row repeated as often as its sequence was drawn."""
+    return np.repeat(np.arange(len(seq)), counts_row[seq].astype(int))
+
+
+def sample(n_seq: int = 9, per_seq: int = 7, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    seq = np.repeat(np.arange(n_seq), per_seq)
+    a = rng.standard_normal(len(seq))
+    b = a + rng.standard_normal(len(seq))
+    b[::5] = 0.0  # ties, like KL clamped at 0
+    return seq, a, b
+
+
+def test_replicates_draw_whole_sequences_reproducibly() -> None:
+    counts = replicate_counts(12, 50, seed=3)
+    assert counts.shape == (50, 12)
+    assert np.all(counts.sum(axis=1) == 12)
+    np.testing.assert_array_equal(counts, replicate_counts(12, 50, seed=3))
+    assert not np.array_equal(counts, replicate_counts(12, 50, seed=4))
+
+
+def test_weighted_statistics_equal_the_expanded_resample() -> None:
+    seq, a, b = sample()
+    counts = replicate_counts(9, 40, seed=1)
+    w = counts[:, seq]
+    med = weighted_median(a, w)
+    mean = weighted_mean(a, w)
+    rho = weighted_spearman(a, b, w)
+    for i, row in enumerate(counts):
+        idx = expanded(seq, row)
+        assert med[i] == np.median(a[idx])
+        np.testing.assert_allclose(mean[i], np.mean(a[idx]), rtol=1e-12)
+        np.testing.assert_allclose(rho[i], stats.spearmanr(a[idx], b[idx]).statistic, rtol=1e-10)
+
+
+def test_weighted_spearman_skips_non_finite_and_constant() -> None:
+    seq, a, b = sample()
+    a[3] = np.nan
+    counts = replicate_counts(9, 5, seed=2)
+    w = counts[:, seq]
+    ok = np.isfinite(a)
+    for i, row in enumerate(counts):
+        idx = expanded(seq, row)
+        idx = idx[ok[idx]]
+        np.testing.assert_allclose(weighted_spearman(a, b, w)[i], stats.spearmanr(a[idx], b[idx]).statistic,
+                                   rtol=1e-10)
+    assert np.isnan(weighted_spearman(np.ones_like(a), b, w)).all()
+
+
+def test_replicate_spectra_equal_the_svd_of_the_resample() -> None:
+    rng = np.random.default_rng(0)
+    seq = np.repeat(np.arange(6), 20)
+    v = rng.standard_normal((len(seq), 5)) * np.array([5.0, 2.0, 1.0, 0.5, 0.1])
+    counts = replicate_counts(6, 4, seed=0)
+    grams = replicate_grams(v, seq, counts, block=4)
+    ranks = spectrum_replicates(v, seq, counts)
+    for i, row in enumerate(counts):
+        idx = expanded(seq, row)
+        np.testing.assert_allclose(grams[i], v[idx].T @ v[idx], rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(ranks[i], spectrum(v[idx]).effective_rank, rtol=1e-9)
+    assert effective_rank(np.zeros((1, 3)))[0] == 0.0

@@ -1,0 +1,127 @@
+"""Bootstrap over sequences: every per-layer statistic a finding is built from, recomputed on resamples.
+
+A resample draws the sample's n_seq sequences with replacement (whole sequences: tokens of one
+sequence are not independent). Replicate b gives sequence s the multiplicity counts[b, s], the
+same for every layer, class and stage of the sample (the draw depends only on the seed and n_seq),
+so a finding aggregated over layers can be recomputed replicate by replicate and its interval read
+from the replicates' spread (percentile interval).
+
+A statistic on a resample equals the statistic on the weighted original rows (a row repeated c
+times is weight c), so nothing is copied: medians come from cumulative weights in sorted order,
+Spearman from the weighted ranks of the expanded sample (ties shared, as scipy's average ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+
+def replicate_counts(n_seq: int, n_resamples: int, seed: int) -> np.ndarray:
+    """[n_resamples, n_seq] multiplicities of each sequence in each resample (each row sums to n_seq)."""
+    rng = np.random.default_rng([seed, 0xB007])
+    return rng.multinomial(n_seq, np.full(n_seq, 1.0 / n_seq), size=n_resamples).astype(np.float64)
+
+
+def row_weights(counts: np.ndarray, seq: np.ndarray, block: int = 32) -> Iterator[tuple[int, np.ndarray]]:
+    """(first replicate, weights [b, n_rows]) for blocks of replicates: row i weighs counts[., seq[i]]."""
+    for start in range(0, len(counts), block):
+        yield start, counts[start : start + block][:, seq]
+
+
+def weighted_median(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Median of each weighted sample [b] (weights [b, n], integer multiplicities): the median of the
+    expanded sample, interpolated between the two middle elements when their number is even."""
+    order = np.argsort(values, kind="stable")
+    v = values[order]
+    cum = np.cumsum(weights[:, order], axis=1)
+    total = cum[:, -1]
+    lo = np.array([np.searchsorted(c, (t - 1) / 2 + 0.5) for c, t in zip(cum, total)])
+    hi = np.array([np.searchsorted(c, t / 2 + 0.5) for c, t in zip(cum, total)])
+    even = (total % 2) == 0
+    return np.where(even, (v[np.minimum(lo, len(v) - 1)] + v[np.minimum(hi, len(v) - 1)]) / 2,
+                    v[np.minimum(hi, len(v) - 1)])
+
+
+def weighted_mean(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    return (weights @ values) / weights.sum(axis=1)
+
+
+def _weighted_ranks(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Average ranks (1-based) of each row in each weighted sample, ties shared: [b, n]."""
+    uniq, inverse = np.unique(values, return_inverse=True)
+    group = np.zeros((len(weights), len(uniq)))
+    for i, w in enumerate(weights):
+        group[i] = np.bincount(inverse, weights=w, minlength=len(uniq))
+    before = np.cumsum(group, axis=1) - group
+    return (before + (group + 1) / 2)[:, inverse]
+
+
+def weighted_spearman(a: np.ndarray, b: np.ndarray, weights: np.ndarray, min_n: int = 3) -> np.ndarray:
+    """Spearman's rho of (a, b) on each weighted sample [b], over the rows where both are finite;
+    NaN where fewer than min_n rows remain or one side is constant (as `perturbation.spearman`)."""
+    ok = np.isfinite(a) & np.isfinite(b)
+    a, b, w = a[ok], b[ok], weights[:, ok]
+    out = np.full(len(weights), np.nan)
+    if len(a) == 0:
+        return out
+    ra, rb = _weighted_ranks(a, w), _weighted_ranks(b, w)
+    total = w.sum(axis=1, keepdims=True)
+    ma = (w * ra).sum(axis=1, keepdims=True) / total
+    mb = (w * rb).sum(axis=1, keepdims=True) / total
+    cov = (w * (ra - ma) * (rb - mb)).sum(axis=1)
+    var = np.sqrt((w * (ra - ma) ** 2).sum(axis=1) * (w * (rb - mb) ** 2).sum(axis=1))
+    valid = (total[:, 0] >= min_n) & (var > 0)
+    out[valid] = cov[valid] / var[valid]
+    return out
+
+
+def effective_rank(eigenvalues: np.ndarray) -> np.ndarray:
+    """exp(entropy of the normalised energies) per row of eigenvalues [b, d] (as geometry.spectrum)."""
+    energy = np.clip(eigenvalues, 0.0, None)
+    total = energy.sum(axis=1, keepdims=True)
+    p = np.divide(energy, total, out=np.zeros_like(energy), where=total > 0)
+    logs = np.log(p, out=np.zeros_like(p), where=p > 0)
+    return np.where(total[:, 0] > 0, np.exp(-(p * logs).sum(axis=1)), 0.0)
+
+
+def replicate_grams(v: np.ndarray, seq: np.ndarray, counts: np.ndarray, block: int = 16) -> np.ndarray:
+    """sum over rows of w_i v_i v_i^T for each replicate [b, d, d], from per-sequence Gram matrices
+    accumulated a block of sequences at a time (memory: b + block matrices of d x d)."""
+    d = v.shape[1]
+    out = np.zeros((len(counts), d, d))
+    order = np.argsort(seq, kind="stable")
+    v, seq = v[order], seq[order]
+    seqs, starts = np.unique(seq, return_index=True)
+    bounds = np.append(starts, len(seq))
+    for i in range(0, len(seqs), block):
+        chunk = range(i, min(i + block, len(seqs)))
+        grams = np.stack([v[bounds[j] : bounds[j + 1]].T @ v[bounds[j] : bounds[j + 1]] for j in chunk])
+        out += (counts[:, seqs[list(chunk)]] @ grams.reshape(len(grams), d * d)).reshape(-1, d, d)
+    return out
+
+
+GEOMETRY_STATISTICS = ("rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median", "frac_res_angle_gt60",
+                       "frac_res_tok_angle_gt60", "proj_res_m16")
+
+
+def geometry_replicates(seq: np.ndarray, metrics: dict[str, np.ndarray], counts: np.ndarray) -> dict[str, np.ndarray]:
+    """The per-layer geometry statistics of the findings (as `layer_summary` defines them) on every
+    resample: {statistic: [n_resamples]}."""
+    out: dict[str, list[np.ndarray]] = {name: [] for name in GEOMETRY_STATISTICS}
+    for _, w in row_weights(counts, seq):
+        out["rel_err_median"].append(weighted_median(metrics["rel_err"], w))
+        out["cos_full_tok_median"].append(weighted_median(metrics["cos_full_tok"], w))
+        out["cos_full_tok_map_median"].append(weighted_median(metrics["cos_full_tok_map"], w))
+        out["frac_res_angle_gt60"].append(weighted_mean((metrics["angle_full_res"] > 60).astype(np.float64), w))
+        out["frac_res_tok_angle_gt60"].append(weighted_mean((metrics["angle_tok_res"] > 60).astype(np.float64), w))
+        out["proj_res_m16"].append(weighted_mean(metrics["proj_res_m16"], w))
+    return {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in out.items()}
+
+
+def spectrum_replicates(v: np.ndarray, seq: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Effective rank of the stacked rows v on every resample [n_resamples] (as `geometry.spectrum`)."""
+    if len(counts) == 0:
+        return np.zeros(0)
+    return effective_rank(np.linalg.eigvalsh(replicate_grams(v, seq, counts)))
