@@ -483,9 +483,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_scale(args: argparse.Namespace, root: Path) -> int:
     """One layer of the whole pipeline (the study's classes and controls) at each sample size, each in a
-    fresh process: peak RSS and wall time against N; scale.json and the records in bench_scale.json."""
+    fresh process: peak RSS and wall time against N; scale.json and the records in bench_scale.json.
+    Each size's results stay under `<root>/convergence/n_seq=<n>/`: the runs are also a convergence
+    study of that layer (SQL view `convergence` over the bench's data root)."""
     import tempfile
 
+    from storage.layout import convergence_root
     from updatelens import bench
     from updatelens.config import PRESETS
 
@@ -494,9 +497,10 @@ def _bench_scale(args: argparse.Namespace, root: Path) -> int:
     settings = tuple(f"{key}={json.dumps(value)}" for key, value in study.items() if key != "n_seq")
     points = []
     for tokens in sizes:
-        with tempfile.TemporaryDirectory() as tmp:
-            wall, rss = _pipeline_run(str(args.scale_layer), Path(tmp) / "data", Path(tmp) / "home", args.device,
-                                      (*settings, f"n_seq={tokens // int(study['seq_len'])}"))
+        n_seq = tokens // int(study["seq_len"])
+        with tempfile.TemporaryDirectory() as home:
+            wall, rss = _pipeline_run(str(args.scale_layer), Path(convergence_root(root, n_seq)), Path(home),
+                                      args.device, (*settings, f"n_seq={n_seq}"))
         points.append(bench.ScalePoint(tokens, wall, rss))
         print(f"scale: {tokens} tokens, layer {args.scale_layer}: {wall:.1f} s, peak RSS {rss:.2f} GiB", flush=True)
     records = bench.scale_records(points, args.device)
@@ -505,6 +509,13 @@ def _bench_scale(args: argparse.Namespace, root: Path) -> int:
     bench.write_scale_json(points, root / "bench" / "scale.json")
     bench.write_json(records, root / "bench" / "bench_scale.json")
     print(f"\nwritten {root / 'bench' / 'scale.json'} and bench_scale.json")
+    from storage import catalog
+
+    catalog.refresh(root)
+    print(f"\nThe runs as a convergence study of layer {args.scale_layer} (SQL view convergence):")
+    _print_frame(catalog.query(root, "SELECT finding, fn_class, n_tokens, round(value, 3) AS value, round(ci_lo, 3) "
+                                     "AS ci_lo, round(ci_hi, 3) AS ci_hi, verdict, threshold FROM convergence "
+                                     "ORDER BY finding, fn_class, n_tokens"))
     return 0
 
 
@@ -600,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("--scaling-d-at", type=int, default=2048, help="N at which d is varied (288, 576, 1152)")
     bench_cmd.add_argument("--only", choices=["scale"],
                            help="scale: only the pipeline's peak memory and time against the sample size")
-    bench_cmd.add_argument("--scale-tokens", dest="scale_tokens", default="8192,32768,131072",
+    bench_cmd.add_argument("--scale-tokens", dest="scale_tokens", default="2048,8192,32768,131072",
                            help="sample sizes of the scale bench (one layer, the study preset's settings)")
     bench_cmd.add_argument("--scale-layer", dest="scale_layer", type=int, default=15,
                            help="the layer the scale bench runs (default 15, the middle of SmolLM2)")
