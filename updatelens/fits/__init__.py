@@ -93,14 +93,25 @@ def fit_local_batched(fn_class: str, x: np.ndarray, y: np.ndarray, neighbours: n
         D = Y_all.index_select(0, flat).view(*idx.shape, -1).to(dtype) - X
         return fitter(X, D, X_all[start : start + len(idx)].to(dtype), params)
 
+    # each chunk's result goes straight into its rows of the output (no list of chunks and a cat:
+    # that held two copies of [N, d] at once)
+    tx = torch.empty((len(nb), X_all.shape[1]), dtype=dtype, device=device)
+    cond = torch.empty(len(nb), dtype=dtype, device=device)
+
+    def into(start: int) -> None:
+        result = one(start)
+        tx[start : start + len(result.tx)] = result.tx
+        cond[start : start + len(result.cond)] = result.cond
+
     starts = range(0, len(nb), chunk)
     n_workers = min(default_workers(fn_class, device) if workers is None else workers, len(starts))
     if n_workers > 1:
         with torch_threads(1), ThreadPoolExecutor(n_workers) as pool:
-            results = list(pool.map(one, starts))
+            list(pool.map(into, starts))
     else:
-        results = [one(start) for start in starts]
-    return LocalFit(tx=torch.cat([r.tx for r in results]), cond=torch.cat([r.cond for r in results]))
+        for start in starts:
+            into(start)
+    return LocalFit(tx=tx, cond=cond)
 
 
 def _folds(groups: np.ndarray, n_folds: int) -> np.ndarray:
