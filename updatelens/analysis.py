@@ -21,6 +21,7 @@ from updatelens.bootstrap import (
     geometry_replicates,
     replicate_counts,
     replicate_grams,
+    row_weights,
     weighted_spearman,
 )
 from updatelens.capture import Captured, capture, kept_mask
@@ -500,12 +501,16 @@ def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenan
     for fn_class in dict.fromkeys(patch["fn_class"].to_pylist()):
         part = patch.filter(pc.equal(patch["fn_class"], fn_class))
         seq, kl = part["seq"].to_numpy(), part["kl"].to_numpy()
-        w = counts[:, seq]
+        rel, norm = part["rel_err"].to_numpy(), part["norm_res"].to_numpy()
+        rho_rel, rho_norm = np.full(cfg.bootstrap, np.nan), np.full(cfg.bootstrap, np.nan)
+        for start, w in row_weights(counts, seq):  # weights of 32 resamples x tokens at a time
+            rho_rel[start : start + len(w)] = weighted_spearman(rel, kl, w)
+            rho_norm[start : start + len(w)] = weighted_spearman(norm, kl, w)
         parts.append(with_provenance({
             "fn_class": pa.array([fn_class] * cfg.bootstrap),
             "replicate": pa.array(np.arange(cfg.bootstrap), pa.int32()),
-            "spearman_relerr_kl": pa.array(weighted_spearman(part["rel_err"].to_numpy(), kl, w), from_pandas=True),
-            "spearman_normres_kl": pa.array(weighted_spearman(part["norm_res"].to_numpy(), kl, w), from_pandas=True),
+            "spearman_relerr_kl": pa.array(rho_rel, pa.float64(), from_pandas=True),
+            "spearman_normres_kl": pa.array(rho_norm, pa.float64(), from_pandas=True),
         }, prov, layer))
     return pa.concat_tables(parts)
 

@@ -30,7 +30,7 @@ SETTINGS = dict(n_seq=6, seq_len=16, k=8, rank=2, classes=["diagonal", "lowrank"
 MODEL_STEPS = {"activations", "functional_metrics"}
 LIGHT_STEPS = {"local_fits", "residuals", "geometry"}
 # Sort keys that identify a row in each table (the rest are measured values).
-ROW_KEYS = ("model", "layer", "fn_class", "variant", "which", "seq", "pos", "component")
+ROW_KEYS = ("model", "layer", "fn_class", "variant", "which", "seq", "pos", "component", "replicate", "idx")
 
 
 def _table(root: object, table: str) -> pl.DataFrame:
