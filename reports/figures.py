@@ -215,6 +215,11 @@ def convergence(rows: pl.DataFrame, title: str) -> Figure:
     fig, axes = plt.subplots(nrows, cols, figsize=(17, 3.6 * nrows), constrained_layout=True, squeeze=False)
     for ax, finding in zip(axes.flat, findings):
         part = rows.filter(pl.col("finding") == finding)
+        if part["value"].drop_nulls().is_empty():  # e.g. finding 6 from a single layer
+            ax.set_title(f"finding {finding} ({part['threshold'][0]})", fontsize=10)
+            ax.text(0.5, 0.5, "no value at any size", ha="center", va="center", transform=ax.transAxes)
+            ax.set_axis_off()
+            continue
         for fn_class in part["fn_class"].unique(maintain_order=True).to_list():
             line = part.filter(pl.col("fn_class") == fn_class).sort("n_tokens")
             n = line["n_tokens"].to_numpy()

@@ -220,3 +220,19 @@ def test_convergence_lists_each_finding_at_each_sample_size(tmp_path: Path) -> N
     with duckdb.connect() as con:  # the main views stay empty: nothing was stored outside convergence/
         views = catalog.create_views(con, tmp_path)
     assert "findings" not in views and "convergence" in views
+
+
+def test_convergence_figure_draws_every_finding_even_one_without_values(tmp_path: Path) -> None:
+    import polars as pl
+
+    from reports import figures
+
+    rows = pl.DataFrame({
+        "finding": ["1", "1", "6", "6"], "fn_class": ["lowrank"] * 4, "n_tokens": [2048, 8192] * 2,
+        "value": [0.7, 0.8, None, None], "ci_lo": [0.6, 0.75, None, None], "ci_hi": [0.8, 0.85, None, None],
+        "threshold": [">= 0.9", ">= 0.9", ">= 0", ">= 0"]}, schema_overrides={"value": pl.Float64,
+                                                                        "ci_lo": pl.Float64, "ci_hi": pl.Float64})
+    figure = figures.convergence(rows, "m")
+    figure.savefig(tmp_path / "convergence.png")
+    assert (tmp_path / "convergence.png").stat().st_size > 0
+    assert [ax.get_title() for ax in figure.axes[:2]] == ["finding 1 (>= 0.9)", "finding 6 (>= 0)"]
