@@ -234,7 +234,13 @@ def bench_scaling(ns: tuple[int, ...], ds: tuple[int, ...], d_at: int, n_at: int
     with d (at N = n_at), after a warm-up at the smallest size; each N point is the best of two runs
     (interference only slows a run down) and the exponent in N the least-squares slope of log time on
     log N; the d points are one run each."""
-    from updatelens.geometry import decompose, dominant_subspace, projection_metrics, spectrum, token_metrics
+    from updatelens.geometry import (
+        decompose,
+        projection_metrics,
+        spectrum_from_gram,
+        subspace_from_gram,
+        token_metrics,
+    )
 
     params = FitParams(rank=cfg.rank, ridge=cfg.ridge)
 
@@ -249,9 +255,11 @@ def bench_scaling(ns: tuple[int, ...], ds: tuple[int, ...], d_at: int, n_at: int
         start = time.perf_counter()
         dec = decompose(x, y, tx)
         token_metrics(x, y, tx, dec)
-        projection_metrics(dec, dominant_subspace(dec.delta_tok, cfg.energy_threshold), cfg.subspace_ms)
-        for v in (dec.delta_full, dec.delta_tok, dec.residual):
-            spectrum(v, cfg.energy_threshold)
+        # as the pipeline's geometry stage (LayerGeometry): subspace and spectra from d x d Grams
+        grams = [v.T @ v for v in (dec.delta_full, dec.delta_tok, dec.residual)]
+        projection_metrics(dec, subspace_from_gram(grams[1], len(x), cfg.energy_threshold), cfg.subspace_ms)
+        for gram in grams:
+            spectrum_from_gram(gram, len(x), cfg.energy_threshold)
         out["geometry"] = time.perf_counter() - start
         return out
 

@@ -6,8 +6,11 @@ from updatelens.geometry import (
     decompose,
     dominant_subspace,
     energy_m,
+    projection_energy,
     projection_metrics,
     spectrum,
+    spectrum_from_gram,
+    subspace_from_gram,
     token_metrics,
 )
 
@@ -56,3 +59,20 @@ def test_spectrum_energy_and_effective_rank() -> None:
     assert sp.m_energy == 2
     assert 1 < sp.effective_rank < 2
     assert energy_m(np.array([1.0, 0, 0]), 0.9) == 1
+
+
+def test_gram_accumulated_subspace_and_spectrum_equal_the_svd_of_the_stacked_rows() -> None:
+    rng = np.random.default_rng(3)
+    v = rng.standard_normal((300, 12)) * np.geomspace(10, 0.1, 12)
+    gram = v[:100].T @ v[:100] + v[100:].T @ v[100:]  # accumulated in two blocks, as the pipeline does
+    svd_sub, gram_sub = dominant_subspace(v, 0.9), subspace_from_gram(gram, len(v), 0.9)
+    np.testing.assert_allclose(gram_sub.singular_values, svd_sub.singular_values, rtol=1e-10)
+    assert gram_sub.m_energy == svd_sub.m_energy
+    for m in (1, 4, 12):  # the same subspaces (eigenvector signs may differ)
+        np.testing.assert_allclose(projection_energy(v, gram_sub.basis, m), projection_energy(v, svd_sub.basis, m),
+                                   rtol=1e-9, atol=1e-12)
+    sp, gram_sp = spectrum(v, 0.9), spectrum_from_gram(gram, len(v), 0.9)
+    np.testing.assert_allclose(gram_sp.cum_energy, sp.cum_energy, rtol=1e-10)
+    assert abs(gram_sp.effective_rank - sp.effective_rank) < 1e-9
+    few = v[:5]  # fewer rows than dimensions: as many directions as the SVD gives
+    assert len(subspace_from_gram(few.T @ few, 5).singular_values) == len(spectrum(few).singular_values) == 5
