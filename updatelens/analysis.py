@@ -17,8 +17,8 @@ import pyarrow.compute as pc
 
 from updatelens import CODE_VERSION
 from updatelens.bootstrap import (
-    effective_rank,
     geometry_replicates,
+    gram_effective_ranks,
     replicate_counts,
     replicate_grams,
     row_weights,
@@ -354,7 +354,7 @@ class LayerGeometry:
             for which in WHICH:
                 ranks = np.full(b, np.nan)
                 if self.n_spec:
-                    ranks[: self.n_spec] = effective_rank(np.linalg.eigvalsh(self.replicate_grams[(fn_class, which)]))
+                    ranks[: self.n_spec] = gram_effective_ranks(self.replicate_grams[(fn_class, which)])
                 cols[f"rank_{which}"] = pa.array(ranks, pa.float64(), from_pandas=True)
             parts.append(with_provenance(cols, prov, layer))
         return pa.concat_tables(parts)

@@ -120,8 +120,9 @@ def geometry_replicates(seq: np.ndarray, metrics: dict[str, np.ndarray], counts:
     return {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in out.items()}
 
 
-def spectrum_replicates(v: np.ndarray, seq: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Effective rank of the stacked rows v on every resample [n_resamples] (as `geometry.spectrum`)."""
-    if len(counts) == 0:
+def gram_effective_ranks(grams: np.ndarray) -> np.ndarray:
+    """Effective rank (as `geometry.spectrum`) of the rows behind each Gram matrix [b, d, d]: with
+    `replicate_grams`, the effective rank on every resample."""
+    if len(grams) == 0:
         return np.zeros(0)
-    return effective_rank(np.linalg.eigvalsh(replicate_grams(v, seq, counts)))
+    return effective_rank(np.linalg.eigvalsh(grams))

@@ -7,9 +7,9 @@ from scipy import stats
 
 from updatelens.bootstrap import (
     effective_rank,
+    gram_effective_ranks,
     replicate_counts,
     replicate_grams,
-    spectrum_replicates,
     weighted_mean,
     weighted_median,
     weighted_spearman,
@@ -73,7 +73,7 @@ def test_replicate_spectra_equal_the_svd_of_the_resample() -> None:
     v = rng.standard_normal((len(seq), 5)) * np.array([5.0, 2.0, 1.0, 0.5, 0.1])
     counts = replicate_counts(6, 4, seed=0)
     grams = replicate_grams(v, seq, counts, block=4)
-    ranks = spectrum_replicates(v, seq, counts)
+    ranks = gram_effective_ranks(grams)
     for i, row in enumerate(counts):
         idx = expanded(seq, row)
         np.testing.assert_allclose(grams[i], v[idx].T @ v[idx], rtol=1e-10, atol=1e-10)
