@@ -9,7 +9,7 @@ great-expectations suites; vector columns and cross-table identities through num
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import dagster as dg
 import numpy as np
@@ -125,17 +125,47 @@ def _ids(table: pa.Table, rows: Iterable[int], extra: dict[str, np.ndarray] | No
     return out
 
 
-def _vectors(table: pa.Table, column: str, d_model: int, verdict: Verdict) -> np.ndarray | None:
-    width = table.schema.field(column).type.list_size if pa.types.is_fixed_size_list(table.schema.field(column).type) else -1
-    verdict.expect(f"vector_length({column}) = {d_model}", width == d_model,
-                   f"{column} vectors have length {width}, expected d_model = {d_model}")
-    if width != d_model:
-        return None
-    matrix = to_matrix(table[column], np.float64)
-    bad = np.flatnonzero(~_finite_rows(matrix))
-    verdict.expect(f"finite({column})", len(bad) == 0, f"{column} has {len(bad)} rows with NaN/Inf",
-                   _ids(table, bad))
-    return matrix
+@dataclass
+class VectorScan:
+    """A vector column of a stored partition checked a row group at a time (`add`), reported once
+    with totals (`report`): length = d_model, finite rows, and optionally norms within a bound."""
+
+    column: str
+    d_model: int
+    max_norm: float | None = None
+    widths: set[int] = field(default_factory=set)
+    n_bad: int = 0
+    bad: list[dict[str, object]] = field(default_factory=list)
+    n_big: int = 0
+    big: list[dict[str, object]] = field(default_factory=list)
+
+    def add(self, part: pa.Table) -> None:
+        typ = part.schema.field(self.column).type
+        width = typ.list_size if pa.types.is_fixed_size_list(typ) else -1
+        self.widths.add(width)
+        if width != self.d_model:
+            return
+        matrix = to_matrix(part[self.column], np.float64)
+        rows = np.flatnonzero(~_finite_rows(matrix))
+        self.n_bad += len(rows)
+        self.bad += _ids(part, rows)
+        if self.max_norm is not None:
+            norms = np.linalg.norm(np.where(np.isnan(matrix), 0.0, matrix), axis=1)
+            rows = np.flatnonzero(norms > self.max_norm)
+            self.n_big += len(rows)
+            self.big += _ids(part, rows, {"norm": norms})
+
+    def report(self, verdict: Verdict) -> None:
+        col, d = self.column, self.d_model
+        lengths = ", ".join(str(w) for w in sorted(self.widths))
+        verdict.expect(f"vector_length({col}) = {d}", self.widths == {d},
+                       f"{col} vectors have length {lengths}, expected d_model = {d}")
+        if self.widths != {d}:
+            return
+        verdict.expect(f"finite({col})", self.n_bad == 0, f"{col} has {self.n_bad} rows with NaN/Inf", self.bad[:10])
+        if self.max_norm is not None:
+            verdict.expect(f"norm({col}) <= {self.max_norm:g}", self.n_big == 0,
+                           f"{col} has {self.n_big} rows with norm above {self.max_norm:g}", self.big[:10])
 
 
 # ---- activations ----------------------------------------------------------------------------
@@ -144,27 +174,11 @@ def check_activations(parts: Iterable[pa.Table], cfg: AnalysisConfig, d_model: i
     n_tokens = cfg.n_seq * cfg.seq_len
     n_kept = cfg.n_seq * (cfg.seq_len - (1 if cfg.skip_first_position else 0))
     scalars: list[pa.Table] = []
-    widths: dict[str, set[int]] = {"x": set(), "y": set()}
-    bad: dict[str, list[dict[str, object]]] = {"x": [], "y": []}
-    n_bad = {"x": 0, "y": 0, "x_norm": 0, "y_norm": 0}
-    norm_bad: dict[str, list[dict[str, object]]] = {"x": [], "y": []}
+    scans = [VectorScan(column, d_model, settings.max_state_norm) for column in ("x", "y")]
     for part in parts:
         scalars.append(part.select(["seq", "pos", "token_id", "kept"]))
-        for column in ("x", "y"):
-            typ = part.schema.field(column).type
-            width = typ.list_size if pa.types.is_fixed_size_list(typ) else -1
-            widths[column].add(width)
-            if width != d_model:
-                continue
-            matrix = to_matrix(part[column], np.float64)
-            finite = _finite_rows(matrix)
-            rows = np.flatnonzero(~finite)
-            n_bad[column] += len(rows)
-            bad[column] += _ids(part, rows)
-            norms = np.linalg.norm(np.where(np.isnan(matrix), 0.0, matrix), axis=1)
-            rows = np.flatnonzero(norms > settings.max_state_norm)
-            n_bad[f"{column}_norm"] += len(rows)
-            norm_bad[column] += _ids(part, rows, {"norm": norms})
+        for scan in scans:
+            scan.add(part)
     frame = pa.concat_tables(scalars).to_pandas()
     verdict = validate(frame, [
         row_count(n_tokens),
@@ -173,17 +187,8 @@ def check_activations(parts: Iterable[pa.Table], cfg: AnalysisConfig, d_model: i
         Expect("ExpectCompoundColumnsToBeUnique", {"column_list": ["seq", "pos"]}),
         Expect("ExpectColumnSumToBeBetween", {"column": "kept", "min_value": n_kept, "max_value": n_kept}),
     ])
-    for column in ("x", "y"):
-        lengths = ", ".join(str(w) for w in sorted(widths[column]))
-        verdict.expect(f"vector_length({column}) = {d_model}", widths[column] == {d_model},
-                       f"{column} vectors have length {lengths}, expected d_model = {d_model}")
-        if widths[column] != {d_model}:
-            continue
-        verdict.expect(f"finite({column})", n_bad[column] == 0,
-                       f"{column} has {n_bad[column]} rows with NaN/Inf", bad[column][:10])
-        verdict.expect(f"norm({column}) <= {settings.max_state_norm:g}", n_bad[f"{column}_norm"] == 0,
-                       f"{column} has {n_bad[f'{column}_norm']} rows with norm above {settings.max_state_norm:g}",
-                       norm_bad[column][:10])
+    for scan in scans:
+        scan.report(verdict)
     return verdict
 
 
@@ -227,17 +232,17 @@ def check_fits(parts: Iterable[pa.Table], cfg: AnalysisConfig, d_model: int, set
                x: np.ndarray, neighbours: np.ndarray | None) -> Verdict:
     """The stored partition, read a row group at a time (`parts`)."""
     n_kept = len(x)
-    scalars, blocks = [], Verdict()
+    scalars, scan = [], VectorScan("tx", d_model)
     for part in parts:
         scalars.append(part.select(["fn_class", "seq", "pos", "degenerate"]))
-        _vectors(part, "tx", d_model, blocks)
+        scan.add(part)
     table = pa.concat_tables(scalars)
     verdict = validate(table.to_pandas(), [
         row_count(n_kept * len(cfg.classes)),
         Expect("ExpectColumnDistinctValuesToEqualSet", {"column": "fn_class", "value_set": list(cfg.classes)}),
         Expect("ExpectCompoundColumnsToBeUnique", {"column_list": ["fn_class", "seq", "pos"]}),
     ])
-    _merge_by_label(verdict, blocks)
+    scan.report(verdict)
     for fn_class in cfg.classes:
         part = table.filter(pc.equal(table["fn_class"], fn_class))
         frac = float(np.mean(part["degenerate"].to_numpy(zero_copy_only=False))) if len(part) else 1.0

@@ -62,4 +62,3 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
         checks.result("residuals", "reconstruction_exact", recon, lens.checks),
         checks.result("residuals", "rel_err_within_bounds", bounds, lens.checks),
     ])
-
