@@ -432,6 +432,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     root = Path(args.data_root or default_data_root())
     if args.only == "scale":
         return _bench_scale(args, root)
+    if args.only == "knn":
+        return _bench_knn(args, root)
     cfg = AnalysisConfig(device=args.device)
     try:
         cfg.validate()
@@ -452,7 +454,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     f32 = bench.matmul_flops(4096, torch.float32, device=device)
     records += bench.bench_fits(cap.states[mid][kept], cap.states[mid + 1][kept], np.nonzero(kept)[0], cfg, f64, f32,
                                 device)
-    records += bench.bench_knn(cap.states[1:].reshape(-1, lm.d_model), cfg.k, args.ann_n, device=device)
+    records += bench.bench_knn(cap.states[1:].reshape(-1, lm.d_model), cfg.k, device=device)
     records.append(bench.bench_perturbation(lm, sample.input_ids, cap.states, cfg.patch_batch))
     del cap
     ns = tuple(int(n) for n in args.scaling_n.split(","))
@@ -481,6 +483,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_knn(args: argparse.Namespace, root: Path) -> int:
+    """Approximate k-NN at research scale on SmolLM2's real states: search settings tuned on one layer,
+    every method judged on another (ann.json: every point; bench_knn.json: the records)."""
+    from updatelens import bench
+    from updatelens.config import AnalysisConfig
+    from updatelens.corpus import make_sample
+    from updatelens.models import load_model
+    from updatelens.registry import get_corpus, get_model
+
+    tune_layer, judge_layer = (int(v) for v in args.ann_layers.split(","))
+    cfg = AnalysisConfig(device=args.device)
+    lm = load_model(get_model("smollm2-135m"), device=cfg.device)
+    sample = make_sample(get_corpus("wiki-embedded"), lm.tokenizer, args.ann_tokens // cfg.seq_len, cfg.seq_len)
+    start = time.perf_counter()
+    (tune_x, judge_x), groups = bench.layer_states(lm, sample.input_ids, sample.attention_mask,
+                                                   (tune_layer, judge_layer), cfg.capture_batch)
+    print(f"knn: captured layers {tune_layer} and {judge_layer}, {len(groups)} kept tokens, "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    del lm
+    points, records = bench.bench_ann(tune_x, judge_x, groups, cfg.k, (tune_layer, judge_layer), cfg.device)
+    print()
+    print(bench.ann_table(points))
+    print()
+    print(bench.table(records))
+    bench.write_points_json(points, root / "bench" / "ann.json")
+    bench.write_json(records, root / "bench" / "bench_knn.json")
+    print(f"\nwritten {root / 'bench' / 'ann.json'} and bench_knn.json")
+    return 0
+
+
 def _bench_scale(args: argparse.Namespace, root: Path) -> int:
     """One layer of the whole pipeline (the study's classes and controls) at each sample size, each in a
     fresh process: peak RSS and wall time against N; scale.json and the records in bench_scale.json.
@@ -506,7 +538,7 @@ def _bench_scale(args: argparse.Namespace, root: Path) -> int:
     records = bench.scale_records(points, args.device)
     print()
     print(bench.table(records))
-    bench.write_scale_json(points, root / "bench" / "scale.json")
+    bench.write_points_json(points, root / "bench" / "scale.json")
     bench.write_json(records, root / "bench" / "bench_scale.json")
     print(f"\nwritten {root / 'bench' / 'scale.json'} and bench_scale.json")
     from storage import catalog
@@ -603,14 +635,17 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("--device", default="cpu",
                            help="cpu or cuda[:i]: where the model, fits and (with faiss-gpu) exact search run; "
                                 "recorded with every figure")
-    bench_cmd.add_argument("--ann-n", type=int, default=200000,
-                           help="size of the approximate-index benchmark (exact search time is extrapolated "
-                                "from 1000 queries; the clustered index is built and queried for all)")
+    bench_cmd.add_argument("--ann-tokens", dest="ann_tokens", type=int, default=131072,
+                           help="sample size of the approximate-index bench (--only knn)")
+    bench_cmd.add_argument("--ann-layers", dest="ann_layers", default="8,15",
+                           help="TUNE,JUDGE: the layer the search settings are tuned on and the one that "
+                                "judges them (--only knn)")
     bench_cmd.add_argument("--scaling-n", default="2048,8192,16384",
                            help="token counts of the scaling sweep (32768 adds about a minute)")
     bench_cmd.add_argument("--scaling-d-at", type=int, default=2048, help="N at which d is varied (288, 576, 1152)")
-    bench_cmd.add_argument("--only", choices=["scale"],
-                           help="scale: only the pipeline's peak memory and time against the sample size")
+    bench_cmd.add_argument("--only", choices=["scale", "knn"],
+                           help="scale: the pipeline's peak memory and time against the sample size; knn: "
+                                "approximate k-NN against exact search and faiss's indexes at research scale")
     bench_cmd.add_argument("--scale-tokens", dest="scale_tokens", default="2048,8192,32768,131072",
                            help="sample sizes of the scale bench (one layer, the study preset's settings)")
     bench_cmd.add_argument("--scale-layer", dest="scale_layer", type=int, default=15,

@@ -14,7 +14,7 @@ GLOBAL_CLASSES = ("global_linear", "mlp")
 FN_CLASSES = LOCAL_CLASSES + GLOBAL_CLASSES
 METRICS = ("cosine_centered", "cosine", "l2")
 EXCLUSIONS = ("sequence", "self", "none")
-INDEXES = ("auto", "exact", "clustered", "hnsw", "ivf")
+INDEXES = ("auto", "exact", "clustered", "ivf", "ivf_batch", "hnsw")
 DTYPES = ("float64", "float32")
 PATCH_MODES = ("all", "single")
 CONTROLS = ("random", "crude", "identity")
@@ -36,7 +36,7 @@ class AnalysisConfig:
     metric: str = "cosine_centered"
     exclusion: str = "sequence"
     # "auto": exact search up to ann_threshold kept tokens per layer, the clustered approximate index
-    # above (exact search costs N^2 d: at 131k tokens about 200 s a layer on 2 cores)
+    # above (exact search costs N^2 d; `updatelens bench --only knn` measures both against N)
     index: str = "auto"
     ann_threshold: int = 32768
     # fits
