@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import dagster as dg
+import polars as pl
 import pyarrow as pa
 
 from assets import checks
@@ -135,6 +136,16 @@ def stage_asset(description: str, kinds: set[str], deps: tuple[object, ...] = ()
         )(fn)
 
     return wrap
+
+
+def frame_table(frame: pl.DataFrame) -> dg.TableMetadataValue:
+    """A polars frame as Dagster table metadata (a sortable table with its column schema in the UI)."""
+    kinds = {pl.Int64: "int", pl.Int32: "int", pl.Float64: "float", pl.Float32: "float", pl.Boolean: "bool"}
+    schema = dg.TableSchema(columns=[dg.TableColumn(name, kinds.get(dtype, "string"))
+                                     for name, dtype in frame.schema.items()])
+    rows = [dg.TableRecord({k: (v if isinstance(v, (int, float, bool)) or v is None else str(v)) for k, v in row.items()})
+            for row in frame.iter_rows(named=True)]
+    return dg.MetadataValue.table(rows, schema=schema)
 
 
 def md_table(columns: list[str], rows: Iterable[Iterable[object]]) -> str:

@@ -282,61 +282,28 @@ def cmd_converge(args: argparse.Namespace) -> int:
     the `convergence` view shows every finding at every size with its interval."""
     import dagster as dg
 
-    from orchestration.resources import AnalysisSettings
-    from orchestration.runner import (
-        check_inputs,
-        contiguous_ranges,
-        failure_message,
-        materialize_model,
-        project_dagster_home,
-        stale_layers,
-    )
-    from storage import catalog
-    from storage.layout import convergence_root
-    from storage.location import url
-    from updatelens.config import preset_layers
+    from orchestration.convergence import convergence_table, plan_convergence, run_convergence
+    from orchestration.runner import project_dagster_home
     from updatelens.errors import UpdateLensError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["DAGSTER_HOME"] = str(project_dagster_home())
     try:
         lens = _lens_from(args)
-        base = lens.config()
-        sizes = sorted({int(t) for t in args.tokens.split(",")})
-        bad = [t for t in sizes if t < base.seq_len or t % base.seq_len]
-        if bad:
-            raise ValueError(f"--tokens {bad}: each size must be a multiple of seq_len={base.seq_len}")
-        plans = []
-        for tokens in sizes:
-            settings = {**lens.analysis.model_dump(), "n_seq": tokens // base.seq_len}
-            sub = lens.model_copy(update={"data_root": url(convergence_root(lens.root, tokens // base.seq_len)),
-                                          "analysis": AnalysisSettings(**settings)})
-            sub.config().validate()
-            plans.append((tokens, sub))
-        report = check_inputs(args.model, plans[-1][1], _parse_layers(args.layers))
-        layers = _parse_layers(args.layers) or preset_layers("study", report.n_layers)
+        tokens = [int(t) for t in args.tokens.split(",")]
+        plan = plan_convergence(args.model, lens, tokens, _parse_layers(args.layers))
     except (UpdateLensError, ValueError, OSError) as exc:
         print(f"updatelens converge: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
     with dg.DagsterInstance.get() as instance:
-        for tokens, sub in plans:
-            todo = layers if args.force else stale_layers(sub, args.model, layers)
-            print(f"converge: {tokens} tokens ({sub.config().n_seq} sequences), layers "
-                  f"{','.join(map(str, todo)) or 'up to date'}", flush=True)
-            for layer_range in contiguous_ranges(todo):
-                result = materialize_model(args.model, sub, instance, layers=layer_range, log_level="INFO",
-                                           raise_on_error=False, report=report)
-                if not result.success:
-                    print(f"updatelens converge: the run failed: {failure_message(result)}", file=sys.stderr)
-                    return 1
-    catalog.refresh(lens.root)
+        failure = run_convergence(plan, instance, args.force, log=lambda line: print(line, flush=True))
+    if failure is not None:
+        print(f"updatelens converge: the run failed: {failure}", file=sys.stderr)
+        return 1
     print(f"\nconverge wall time {time.perf_counter() - start:.1f} s, peak RSS {_peak_rss_gib():.2f} GiB. "
           f"Convergence (SQL view convergence):")
-    _print_frame(catalog.query(lens.root, "SELECT finding, fn_class, n_tokens, round(value, 3) AS value, "
-                                          "round(ci_lo, 3) AS ci_lo, round(ci_hi, 3) AS ci_hi, verdict, threshold "
-                                          "FROM convergence WHERE model = $1 ORDER BY finding, fn_class, n_tokens",
-                               [args.model]))
+    _print_frame(convergence_table(lens, args.model))
     return 0
 
 

@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets.activations import activations
-from assets.functional_metrics import functional_metrics
-from assets.geometry import geometry
-from assets.local_fits import local_fits
-from assets.reports import comparison_report, convention_sweep, report
-from assets.residuals import residuals
+from assets.pipeline import ASSETS, PER_MODEL_ASSETS
 from orchestration.deployments import Profile, active_profile, executor_for
 from orchestration.jobs import JOBS
 from orchestration.resources import UpdateLensResource
 from orchestration.schedules import stale_partitions_schedule
 from orchestration.sensors import model_registry_sensor, reports_after_analysis
 
-ASSETS = [activations, local_fits, residuals, geometry, functional_metrics]  # per (model, layer)
-PER_MODEL_ASSETS = [report, convention_sweep, comparison_report]
-
+__all__ = ["ASSETS", "build_defs", "defs"]
 
 
 def build_defs(profile: Profile) -> dg.Definitions:

@@ -14,7 +14,7 @@ from pathlib import Path
 import dagster as dg
 
 from assets.reports import comparison_report, convention_sweep, report
-from orchestration.definitions import ASSETS
+from assets.pipeline import ASSETS
 from orchestration.deployments import active_profile
 from orchestration.partitions import (
     MODEL_LAYER,
@@ -167,7 +167,12 @@ def check_verdicts(result: dg.ExecutionResult) -> list[tuple[str, bool, str]]:
 def failure_message(result: dg.ExecutionResult) -> str:
     """The first failed step's error message."""
     failures = [e for e in result.all_events if e.is_step_failure]
-    return failures[0].step_failure_data.error.message.strip() if failures else "see the log above"
+    if not failures:
+        return "see the log above"
+    error = failures[0].step_failure_data.error
+    while error.cause is not None:  # Dagster wraps the user's exception: name the cause
+        error = error.cause
+    return error.message.strip()
 
 
 @dataclass

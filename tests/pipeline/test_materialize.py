@@ -13,7 +13,7 @@ from assets.common import StaleInputError
 from orchestration.definitions import ASSETS
 from orchestration.partitions import layer_key
 from orchestration.resources import AnalysisSettings, UpdateLensResource
-from orchestration.runner import materialize_model
+from orchestration.runner import failure_message, materialize_model
 from storage import catalog
 from storage.layout import TABLES, partition_file
 from tests.zoo import N_LAYERS
@@ -212,3 +212,30 @@ def test_updatelens_report_regenerates_without_recomputing(run, monkeypatch, tmp
     assert partition_file(lens.root, "geometry", "tiny-gpt2", 0).stat().st_mtime_ns == geometry_mtime
     assert main(["report", "--model", "no-such-model", "--data-root", lens.data_root]) == 2
     assert "no results for model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_converge_job_analyses_each_sample_size_and_fills_the_convergence_view(zoo: Path, tmp_path: Path) -> None:
+    """The Dagster job `converge`: two nested sizes of one tiny model, each a data root of its own with
+    every layer asked for; the view lists every finding at both sizes; a second launch finds them up to date."""
+    from orchestration.convergence import converge_job
+
+    lens = UpdateLensResource(data_root=str(tmp_path), registry=str(zoo),
+                              analysis=AnalysisSettings(**{**SETTINGS, "classes": ["diagonal"], "bootstrap": 20}))
+    config = {"ops": {"converge_sizes": {"config": {"model": "tiny-llama", "tokens": [4 * SEQ_LEN, 8 * SEQ_LEN],
+                                                    "layers": [0, 1]}}}}
+    instance = dg.DagsterInstance.ephemeral()
+    result = converge_job.execute_in_process(run_config=config, resources={"lens": lens}, instance=instance)
+    assert result.success
+    rows = catalog.query(lens.root, "SELECT finding, n_tokens, layers FROM convergence WHERE model = 'tiny-llama'")
+    assert set(rows["n_tokens"]) == {4 * SEQ_LEN, 8 * SEQ_LEN}
+    assert rows.group_by("n_tokens").len()["len"].n_unique() == 1  # the same findings at each size
+    output = next(e for e in result.all_events if e.event_type_value == "STEP_OUTPUT")
+    table = output.step_output_data.metadata["convergence"]  # the op shows the view as a table
+    assert isinstance(table, dg.TableMetadataValue) and len(table.records) == len(rows)
+    runs_before = len(instance.get_run_records())
+    again = converge_job.execute_in_process(run_config=config, resources={"lens": lens}, instance=instance)
+    assert again.success and len(instance.get_run_records()) == runs_before + 1  # no stage run: up to date
+    bad = {"ops": {"converge_sizes": {"config": {"model": "tiny-llama", "tokens": [SEQ_LEN + 1]}}}}
+    failed = converge_job.execute_in_process(run_config=bad, resources={"lens": lens}, instance=instance,
+                                             raise_on_error=False)
+    assert not failed.success and "multiple of seq_len" in failure_message(failed)
