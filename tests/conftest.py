@@ -1,12 +1,31 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+REQUIRE_ALL = "UPDATELENS_REQUIRE_ALL"  # set to 1 by .ci/run: a missing tool fails its tests instead of skipping
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "needs_tool(names, install): the test runs one of these executables; "
+                                       "skipped when none is installed, failed when UPDATELENS_REQUIRE_ALL=1")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs_tool"):
+        names, install = mark.args
+        if not any(shutil.which(name) for name in names):
+            message = f"{' or '.join(names)} is not installed ({install})"
+            if os.environ.get(REQUIRE_ALL) == "1":
+                pytest.fail(f"{message}; {REQUIRE_ALL}=1 makes a missing tool a failure", pytrace=False)
+            pytest.skip(message)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ plain local run and queried by DuckDB from the object store."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -22,8 +21,7 @@ from storage.layout import TABLES
 from tests import cluster
 from tests.zoo import N_LAYERS
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                reason="redis-server is not installed (.ci/run installs Debian's redis-server)")
+pytestmark = pytest.mark.needs_tool(("redis-server",), ".ci/run installs Debian's redis-server")
 
 MODEL = "tiny-llama"
 SETTINGS = dict(n_seq=6, seq_len=16, k=8, rank=2, classes=["diagonal", "lowrank"])

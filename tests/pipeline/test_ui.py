@@ -58,7 +58,7 @@ def screenshot(url: str, out: Path, profile: Path) -> None:
                     f"--screenshot={out}", url], check=True, timeout=120, capture_output=True)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (apt-get install chromium)")
+@pytest.mark.needs_tool(("chromium", "chromium-browser"), "apt-get install chromium")
 def test_asset_graph_and_partitions_pages_render_in_chromium(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
