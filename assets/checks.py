@@ -20,7 +20,7 @@ import torch
 from assets.expectations import Expect, Verdict, between, row_count, validate
 from updatelens.analysis import LayerData
 from updatelens.config import AnalysisConfig
-from updatelens.fits import FitParams, LayerFit, fit_local_batched
+from updatelens.fits import LOCAL_FITTERS, FitParams, LayerFit, fit_local_batched, refit_anchors
 from updatelens.fits.global_linear import fit_global_linear
 from updatelens.models import LoadedModel
 from updatelens.perturbation import OriginalOutput, Variant, patched_kl
@@ -31,14 +31,18 @@ class CheckSettings(dg.Config):
     """Thresholds of the data-quality checks (configuration, recorded in check metadata)."""
 
     max_state_norm: float = 1e6  # any hidden-state norm above this is a blow-up
-    hidden_state_tol: float = 1e-4  # captured vs output_hidden_states, relative to the state's scale
+    hidden_state_tol: float = 1e-4  # captured vs output_hidden_states, relative to each row's scale (pos > 0)
     hidden_state_sequences: int = 2  # sequences recomputed for that comparison
     reconstruction_tol: float = 1e-5  # |y - T(x) - r| relative to ||y||
     identity_tol: float = 1e-6  # fits on y = x must give T(x) = x to this relative error
+    audit_anchors: int = 32  # anchors per local class re-fitted from their stored neighbours
+    audit_tol: float = 1e-4  # re-fitted vs stored T(x), relative to ||T(x)|| (stored as float32)
     max_degenerate_frac: float = 0.05  # share of ill-conditioned or non-finite fits per class
     max_best_rel_err_median: float = 1.0  # the best class must explain part of the update
     min_tokens_spearman: int = 20  # Spearman must be defined (and in [-1, 1]) with this many tokens
     identity_kl_tol: float = 1e-6  # KL of the identity patch (patched = true state)
+    kl_rounding_tol: float = 1e-5  # how far below 0 a KL may fall before the clamp (rounding)
+    min_random_kl: float = 1e-6  # random control mean KL: above rounding (a patch not applied gives ~1e-8)
     identity_sequences: int = 2  # sequences patched with their own state, per layer
 
 
@@ -59,9 +63,12 @@ CHECKS: dict[str, list[CheckDef]] = {
     "local_fits": [
         CheckDef("fits_valid", True, "one finite T(x) of length d_model per kept token and class; "
                  "degenerate share under its bound; fits on y = x return x (identity sanity)"),
+        CheckDef("fits_refit_audit", True, "a random sample of anchors per local class, re-fitted from "
+                 "the stored neighbours and states outside the stage's batched path, gives the stored T(x)"),
     ],
     "residuals": [
-        CheckDef("reconstruction_exact", True, "Δ_full = Δ_tok + r to float tolerance; relative "
+        CheckDef("residuals_match_fits", True, "the stored residuals, read back, equal y - T(x) of the stored "
+                 "states and fits to float tolerance (a damaged or misaligned file, not a fit error); relative "
                  "errors finite and >= 0"),
         CheckDef("rel_err_within_bounds", False, "median relative error of the best class is "
                  "below its configured bound"),
@@ -71,8 +78,9 @@ CHECKS: dict[str, list[CheckDef]] = {
                  "energies in [0, 1], singular values >= 0 and non-increasing"),
     ],
     "functional_metrics": [
-        CheckDef("functional_valid", False, "KL finite and >= 0; Spearman in [-1, 1] with enough "
-                 "tokens; the identity patch gives KL 0"),
+        CheckDef("functional_valid", False, "KL finite and, before its clamp at 0, not below -rounding; "
+                 "the random-direction control moves the output (patches are applied); Spearman in [-1, 1] "
+                 "with enough tokens; the identity patch gives KL 0"),
     ],
 }
 
@@ -216,8 +224,11 @@ def check_against_hidden_states(lm: LoadedModel, input_ids: np.ndarray, tables: 
                                    f"stored {column} has {stored.shape[0]} rows for the first {n} sequences, "
                                    f"the model gives {ref.shape[0]}")
                     continue
-                scale = np.abs(ref).max() + 1e-12
+                # per row, relative to that row's own scale: a batch-wide scale is set by position 0's
+                # outsized states and would hide an error elsewhere; position 0 itself is not compared
+                scale = np.abs(ref).max(axis=1) + 1e-12
                 err = np.abs(stored - ref).max(axis=1) / scale
+                err[sub["pos"].to_numpy() == 0] = 0.0
                 bad = np.flatnonzero(~(err <= settings.hidden_state_tol))
                 verdict.expect(f"{column} == hidden_states[{index}] (tol {settings.hidden_state_tol:g})",
                                len(bad) == 0,
@@ -250,6 +261,52 @@ def check_fits(parts: Iterable[pa.Table], cfg: AnalysisConfig, d_model: int, set
                        frac <= settings.max_degenerate_frac,
                        f"{fn_class}: {frac:.1%} of fits are degenerate (bound {settings.max_degenerate_frac:.0%})")
     verdict.merge(identity_sanity(cfg, x, neighbours, settings))
+    return verdict
+
+
+def refit_audit(parts: Iterable[pa.Table], x: np.ndarray, y: np.ndarray, cfg: AnalysisConfig,
+                settings: CheckSettings) -> Verdict:
+    """Re-fit `audit_anchors` random anchors of each local class from the neighbours stored with them
+    (`refit_anchors`: one plain call of the fitter) and compare with their stored T(x). Catches rows
+    out of line with their neighbours or states, chunk or thread mix-ups and damaged vectors, which
+    the range checks cannot see. `parts`: the stored partition (fn_class, neighbours, tx) row group
+    by row group; x, y: the layer's kept states in the stored row order."""
+    rng = np.random.default_rng([cfg.seed, 4099])
+    rows = np.sort(rng.choice(len(x), size=min(settings.audit_anchors, len(x)), replace=False))
+    seen: dict[str, int] = {}
+    picked: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for part in parts:
+        classes = part["fn_class"].to_numpy(zero_copy_only=False)
+        for fn_class in dict.fromkeys(classes.tolist()):
+            sub = part.filter(pc.equal(part["fn_class"], fn_class))
+            lo = seen.get(fn_class, 0)
+            seen[fn_class] = lo + len(sub)
+            take = rows[(rows >= lo) & (rows < lo + len(sub))] - lo
+            if fn_class not in LOCAL_FITTERS or not len(take):
+                continue
+            sub = sub.take(pa.array(take))
+            nb = np.asarray(sub["neighbours"].combine_chunks().flatten().to_numpy(), dtype=np.int64)
+            picked.setdefault(fn_class, []).append((nb.reshape(len(take), -1), to_matrix(sub["tx"], np.float64)))
+    verdict = Verdict()
+    params = FitParams(rank=cfg.rank, ridge=cfg.ridge, orthogonal_scale=cfg.orthogonal_scale)
+    dtype = torch.float64 if cfg.fit_dtype == "float64" else torch.float32
+    for fn_class in (c for c in cfg.classes if c in LOCAL_FITTERS):
+        label = f"refit_audit({fn_class})"
+        if fn_class not in picked or sum(len(nb) for nb, _ in picked[fn_class]) != len(rows):
+            verdict.expect(label, False, f"{fn_class}: the stored partition lacks rows or neighbours of the "
+                                         f"{len(rows)} audited anchors")
+            continue
+        nb = np.concatenate([n for n, _ in picked[fn_class]])
+        stored = np.concatenate([t for _, t in picked[fn_class]])
+        ref = refit_anchors(fn_class, x, y, nb, rows, params, dtype)
+        err = np.linalg.norm(ref - stored, axis=1) / (np.linalg.norm(ref, axis=1) + 1e-30)
+        finite_ref, finite_stored = np.isfinite(ref).all(axis=1), np.isfinite(stored).all(axis=1)
+        ok = (finite_ref & finite_stored & (err <= settings.audit_tol)) | (~finite_ref & ~finite_stored)
+        bad = np.flatnonzero(~ok)
+        verdict.expect(label, len(bad) == 0,
+                       f"{fn_class}: {len(bad)} of {len(rows)} re-fitted anchors differ from the stored T(x) "
+                       f"(max relative difference {np.nanmax(err):.2e}, tolerance {settings.audit_tol:g})",
+                       [{"fn_class": fn_class, "kept_row": int(rows[i]), "rel_diff": float(err[i])} for i in bad])
     return verdict
 
 
@@ -360,11 +417,25 @@ def check_geometry(geometry: pa.Table, spectra: pa.Table) -> Verdict:
 
 # ---- functional metrics ---------------------------------------------------------------------
 def check_functional(fm: pa.Table, summary: pa.Table, settings: CheckSettings) -> Verdict:
-    frame = fm.select(["fn_class", "variant", "seq", "pos", "kl"]).to_pandas()
-    verdict = validate(frame, between("kl", 0.0))
+    """KL finite; its sign before the clamp at 0 (`kl_raw_min` of the summary: a KL clearly below 0
+    means the distributions are not normalised or not the same positions); the random-direction
+    control's KL above a floor (a patch that is silently not applied gives 0 for every variant)."""
     kl = fm["kl"].to_numpy()
     bad = np.flatnonzero(~np.isfinite(kl))
+    verdict = Verdict()
     verdict.expect("finite(kl)", len(bad) == 0, f"KL is not finite on {len(bad)} rows", _ids(fm, bad))
+    rows = summary.select(["fn_class", "variant", "kl_raw_min", "kl_mean"]).to_pylist()
+    negative = [r for r in rows if not r["kl_raw_min"] >= -settings.kl_rounding_tol]
+    named = ", ".join(f"{r['variant']}/{r['fn_class']} {r['kl_raw_min']:.2e}" for r in negative)
+    verdict.expect(f"KL before clamping >= -{settings.kl_rounding_tol:g}", not negative,
+                   f"KL below 0 beyond rounding before the clamp: {named}", negative)
+    random = [r for r in rows if r["variant"] == "random"]
+    if random:
+        flat = [r for r in random if not r["kl_mean"] > settings.min_random_kl]
+        means = ", ".join(f"{r['kl_mean']:.2e}" for r in flat)
+        verdict.expect(f"random control mean KL > {settings.min_random_kl:g} (patches applied)", not flat,
+                       f"the random-direction control leaves the output unchanged (mean KL {means}): "
+                       f"patches are not applied", flat)
     enough = summary.filter(pc.greater_equal(summary["n_tokens"], settings.min_tokens_spearman))
     if len(enough):
         verdict.merge(validate(enough.select(["fn_class", "variant", "spearman_relerr_kl", "spearman_normres_kl"]).to_pandas(),

@@ -7,6 +7,7 @@ AssetCheckResults, and a notebook can call `validate` on any frame.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -70,13 +71,20 @@ def validate(frame: pd.DataFrame, expectations: list[Expect], id_columns: tuple[
 
     batch_definition = _batch_definition()  # creates the ephemeral context the suite needs
     suite = gx.ExpectationSuite(name="updatelens")
-    for e in expectations:
-        suite.add_expectation(getattr(gx.expectations, e.kind)(**e.kwargs))
+    by_config = {_config_key(suite.add_expectation(getattr(gx.expectations, e.kind)(**e.kwargs)).configuration): e
+                 for e in expectations}
     result = batch_definition.get_batch(batch_parameters={"dataframe": frame}).validate(
         suite, result_format="COMPLETE")
     verdict = Verdict()
     ids = [c for c in id_columns if c in frame.columns]
-    for e, r in zip(expectations, result.results):
+    answered = set()
+    for r in result.results:  # matched to the expectations by configuration, not by position
+        key = _config_key(r.expectation_config)
+        e = by_config.get(key)
+        if e is None:
+            verdict.expect(f"result of {key[0]}", False, f"GX returned a result for an expectation not asked: {key}")
+            continue
+        answered.add(key)
         verdict.evaluated.append(e.label())
         if r.success:
             continue
@@ -91,7 +99,16 @@ def validate(frame: pd.DataFrame, expectations: list[Expect], id_columns: tuple[
                 verdict.offenders.append({"expectation": e.kind, **{c: _plain(row[c]) for c in ids},
                                           **({e.kwargs["column"]: _plain(row[e.kwargs["column"]])}
                                              if "column" in e.kwargs else {})})
+    for key, e in by_config.items():
+        if key not in answered:
+            verdict.expect(e.label(), False, f"{e.label()}: GX returned no result for it")
     return verdict
+
+
+def _config_key(config: Any) -> tuple[str, str]:
+    """An expectation configuration as (type, kwargs) without the batch GX adds to its results."""
+    kwargs = {k: v for k, v in config.kwargs.items() if k != "batch_id"}
+    return config.type, json.dumps(kwargs, sort_keys=True, default=str)
 
 
 def _plain(value: Any) -> Any:

@@ -25,6 +25,7 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> d
     cfg = lens.config()
     written = Written()
     verdicts: dict[str, checks.Verdict] = {}
+    audits: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, lens.root):
         for layer in layers:
             prov = provenance_from(check_upstream(lens.root, "activations", model, layer, cfg), cfg)
@@ -47,5 +48,9 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> d
             written.note(model, layer, degenerate_fits=degenerate)
             verdicts[f"{model}:{layer:02d}"] = checks.check_fits(iter_parts(path, ["fn_class", "seq", "pos", "degenerate", "tx"]),
                                                                  cfg, data.x.shape[1], lens.checks, data.x, neighbours)
+            audits[f"{model}:{layer:02d}"] = checks.refit_audit(iter_parts(path, ["fn_class", "neighbours", "tx"]),
+                                                                data.x, data.y, cfg, lens.checks)
             context.log.info(f"{model} layer {layer}: fitted {', '.join(cfg.classes)}")
-    return finish(lens.root, cfg, written, check_results=[checks.result("local_fits", "fits_valid", verdicts, lens.checks)])
+    return finish(lens.root, cfg, written, check_results=[
+        checks.result("local_fits", "fits_valid", verdicts, lens.checks),
+        checks.result("local_fits", "fits_refit_audit", audits, lens.checks)])

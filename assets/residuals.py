@@ -59,6 +59,6 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
                 part = stored.filter(pc.equal(stored["fn_class"], fn_class))
                 written.note(model, layer, **{f"rel_err_median_{fn_class}": float(np.median(part["rel_err"].to_numpy()))})
     return finish(lens.root, cfg, written, check_results=[
-        checks.result("residuals", "reconstruction_exact", recon, lens.checks),
+        checks.result("residuals", "residuals_match_fits", recon, lens.checks),
         checks.result("residuals", "rel_err_within_bounds", bounds, lens.checks),
     ])

@@ -418,7 +418,8 @@ def single_positions(kept: np.ndarray, per_seq: int, seed: int) -> np.ndarray:
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
-FunctionalRows = list[dict[str, np.ndarray | str]]  # per variant: fn_class, variant, seq, pos, kl, rel_err, norm_res
+# per variant: fn_class, variant, seq, pos, kl (clamped at 0), kl_raw (before the clamp), rel_err, norm_res
+FunctionalRows = list[dict[str, np.ndarray | str]]
 
 
 def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig: OriginalOutput,
@@ -448,9 +449,10 @@ def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit],
     for variant, kl_grid in zip(variants, kls):
         fit = fits[variant.fn_class]
         err = token_metrics(data.x[rows_in_kept], data.y[rows_in_kept], fit.tx[rows_in_kept])
+        raw = kl_grid[seq_idx, pos_idx]
         out.append({"fn_class": variant.fn_class, "variant": variant.name,
                     "seq": (seq_idx + data.seq_offset).astype(np.int32), "pos": pos_idx.astype(np.int32),
-                    "kl": kl_grid[seq_idx, pos_idx], "rel_err": err["rel_err"], "norm_res": err["norm_res"]})
+                    "kl": np.maximum(raw, 0.0), "kl_raw": raw, "rel_err": err["rel_err"], "norm_res": err["norm_res"]})
     return out
 
 
@@ -462,7 +464,8 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
         merged.setdefault((str(row["fn_class"]), str(row["variant"])), []).append(row)
     token_parts, summary_parts = [], []
     for (fn_class, name), parts in merged.items():
-        col = {key: np.concatenate([p[key] for p in parts]) for key in ("seq", "pos", "kl", "rel_err", "norm_res")}
+        col = {key: np.concatenate([p[key] for p in parts])
+               for key in ("seq", "pos", "kl", "kl_raw", "rel_err", "norm_res")}
         kl = col["kl"]
         n = len(kl)
         token_parts.append(with_provenance({
@@ -485,6 +488,8 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
             "kl_mean": pa.array([float(np.mean(kl)) if n else float("nan")]),
             "kl_median": pa.array([float(np.median(kl)) if n else float("nan")]),
             "kl_max": pa.array([float(np.max(kl)) if n else float("nan")]),
+            # the most negative KL before the clamp at 0: rounding is ~1e-7 or less, more is a fault
+            "kl_raw_min": pa.array([float(np.min(col["kl_raw"])) if n else float("nan")]),
             "spearman_relerr_kl": pa.array([s_rel.rho]),
             "spearman_relerr_kl_p": pa.array([s_rel.p_value]),
             "spearman_normres_kl": pa.array([s_abs.rho]),

@@ -60,9 +60,10 @@ def _padding_kwargs(lm: LoadedModel, ids: torch.Tensor) -> dict[str, torch.Tenso
 
 
 def kl_rows(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) over the last axis from full log-probabilities, natural log, clamped at 0: the
-    plain definition, used for output layers that are not a plain linear map (and by tests)."""
-    return (logp.exp() * (logp - logq)).sum(dim=-1).clamp_min(0.0)
+    """KL(p || q) over the last axis from full log-probabilities, natural log: the plain definition,
+    used for output layers that are not a plain linear map (and by tests). Not clamped: rounding can
+    leave it slightly below 0, and the functional stage records how far before clamping."""
+    return (logp.exp() * (logp - logq)).sum(dim=-1)
 
 
 # ---- the output layer ---------------------------------------------------------------------------
@@ -162,7 +163,8 @@ class OriginalOutput:
         return OriginalOutput(self.logp[seqs], self.head, pick(self.head_input), pick(self.mean_row))
 
     def kl(self, seqs: list[int], out: torch.Tensor, positions: list[int] | None = None) -> torch.Tensor:
-        """KL(p_orig || q) [b, T] (or [b] at one position per row), float64, clamped at 0.
+        """KL(p_orig || q) [b, T] (or [b] at one position per row), float64, not clamped (rounding can
+        leave it slightly below 0; a clearly negative value means the distributions are wrong).
 
         `out` is what `patched_outputs` returned for rows of sequences `seqs`: the head's input
         [b, T, d] (linear head) or the logits [b, T, V]."""
@@ -172,12 +174,12 @@ class OriginalOutput:
         logp = self.logp[index]
         if self.head is None:
             logq = torch.log_softmax(out.float(), dim=-1).to(logp.device)
-            return kl_rows(logp, logq).double()  # clamped at 0 by kl_rows
+            return kl_rows(logp, logq).double()
         assert self.head_input is not None and self.mean_row is not None
         delta_h = out - self.head_input[index]
         shape = delta_h.shape[:-1]
         lse = self.head.shifted_logsumexp(delta_h.reshape(-1, delta_h.shape[-1]), logp.reshape(-1, logp.shape[-1]))
-        return (lse.reshape(shape) - (delta_h.double() * self.mean_row[index]).sum(dim=-1)).clamp_min(0.0)
+        return lse.reshape(shape) - (delta_h.double() * self.mean_row[index]).sum(dim=-1)
 
 
 def _as_index(seqs: list[int]) -> slice | list[int]:

@@ -3,6 +3,8 @@ with a clear message, and the downstream assets not materialize; clean data pass
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 
 import assets.activations
 import assets.functional_metrics
+import assets.local_fits
 import assets.residuals
 from assets.checks import CheckSettings
 from orchestration.definitions import ASSETS
@@ -63,10 +66,10 @@ def test_clean_data_passes_every_check(zoo: Path, tmp_path: Path) -> None:
     result, instance = run(zoo, tmp_path)
     assert result.success
     checks = evaluations(result)
-    assert set(checks) == {"activations_valid", "activations_match_hidden_states", "fits_valid",
-                           "reconstruction_exact", "rel_err_within_bounds", "geometry_ranges", "functional_valid"}
+    assert set(checks) == {"activations_valid", "activations_match_hidden_states", "fits_valid", "fits_refit_audit",
+                           "residuals_match_fits", "rel_err_within_bounds", "geometry_ranges", "functional_valid"}
     assert all(e.passed for e in checks.values()), {n: e.description for n, e in checks.items() if not e.passed}
-    meta = checks["reconstruction_exact"].metadata
+    meta = checks["residuals_match_fits"].metadata
     assert meta["expectations_failed"].value == 0 and meta["expectations_evaluated"].value > 5
 
 
@@ -103,24 +106,69 @@ def test_wrong_vector_length_blocks_the_fits(zoo: Path, tmp_path: Path, monkeypa
                    "local_fits", tmp_path)
 
 
+def test_a_small_error_at_one_position_fails_the_hidden_state_comparison(
+        zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """x off by 0.1 % of its own scale at position 5 only: judged per row (not against the batch's
+    largest state, which position 0 sets), the comparison with output_hidden_states catches it."""
+    def shifted(t: pa.Table) -> pa.Table:
+        at = (t["pos"].to_numpy() == 5)[:, None]
+        return with_vectors(t, "x", lambda v: v + at * 1e-3 * np.abs(v).max(axis=1, keepdims=True))
+
+    corrupt(monkeypatch, assets.activations, "activation_rows", shifted)
+    result, instance = run(zoo, tmp_path)
+    assert_blocked(result, instance, "activations_match_hidden_states", "x differs from output_hidden_states",
+                   "local_fits", tmp_path)
+
+
+def test_fits_out_of_line_with_their_neighbours_fail_the_refit_audit(
+        zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """T(x) stored one row off (each row holds its neighbour row's fit): finite, the right length and
+    count, so only re-fitting anchors from their stored neighbours shows it."""
+    original = assets.local_fits.fit_row_parts
+
+    def shifted(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        for part in original(*args, **kwargs):
+            yield with_vectors(part, "tx", lambda v: np.roll(v, 1, axis=0))
+
+    monkeypatch.setattr(assets.local_fits, "fit_row_parts", shifted)
+    result, instance = run(zoo, tmp_path)
+    assert evaluations(result)["fits_valid"].passed
+    assert_blocked(result, instance, "fits_refit_audit", "re-fitted anchors differ from the stored T(x)",
+                   "residuals", tmp_path)
+
+
 def test_broken_reconstruction_blocks_geometry(zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     corrupt(monkeypatch, assets.residuals, "residuals_table",
             lambda t: with_vectors(t, "residual", lambda v: v + 0.01 * (np.arange(len(v))[:, None] % 11 == 0)))
     result, instance = run(zoo, tmp_path)
-    assert_blocked(result, instance, "reconstruction_exact", "Δ_full != Δ_tok + r on", "geometry", tmp_path)
+    assert_blocked(result, instance, "residuals_match_fits", "Δ_full != Δ_tok + r on", "geometry", tmp_path)
 
 
-def test_negative_kl_fails_the_functional_check(zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def negative(tables: tuple[pa.Table, pa.Table]) -> tuple[pa.Table, pa.Table]:
-        fm, fs = tables
-        kl = fm["kl"].to_numpy().copy()
-        kl[::10] = -0.5
-        return fm.set_column(fm.schema.get_field_index("kl"), "kl", pa.array(kl)), fs
-
-    corrupt(monkeypatch, assets.functional_metrics, "functional_tables_from_rows", negative)
+def test_unnormalised_distributions_fail_the_functional_check_before_the_clamp(
+        zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Original log-probabilities off by a constant (p no longer sums to 1): the KL goes negative
+    before its clamp at 0, which the stored (clamped) column alone could not show."""
+    corrupt(monkeypatch, assets.functional_metrics, "original_output",
+            lambda orig: dataclasses.replace(orig, logp=orig.logp - 0.05))
     result, _ = run(zoo, tmp_path)
     evaluation = evaluations(result)["functional_valid"]
     assert not evaluation.passed
-    assert "ExpectColumnValuesToBeBetween(kl, min_value=0.0) failed" in evaluation.description
-    offenders = evaluation.metadata["worst_offenders"].value
-    assert offenders and all(o["kl"] == -0.5 for o in offenders)
+    assert "KL below 0 beyond rounding before the clamp: patch/" in evaluation.description, evaluation.description
+    assert "e-02" in evaluation.description  # the size of the fault is reported (about -0.05)
+
+
+def test_a_patch_that_is_not_applied_fails_the_functional_check(
+        zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resume hook silently does nothing: every patched pass reproduces the model, so the
+    identity patch still gives KL 0; the random-direction control's KL of 0 shows the fault."""
+    import updatelens.perturbation
+
+    @contextlib.contextmanager
+    def not_applied(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        yield
+
+    monkeypatch.setattr(updatelens.perturbation, "resume_at_block", not_applied)
+    result, _ = run(zoo, tmp_path)
+    evaluation = evaluations(result)["functional_valid"]
+    assert not evaluation.passed
+    assert "random-direction control leaves the output unchanged" in evaluation.description, evaluation.description

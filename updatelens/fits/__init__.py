@@ -33,7 +33,8 @@ LOCAL_FITTERS: dict[str, LocalFitter] = {
 # (SmolLM2 layer 15 on 2 cores: lowrank 1.3x, orthogonal 1.6x). The memory-bound diagonal classes lose.
 THREADED_CLASSES = frozenset({"lowrank", "orthogonal"})
 
-__all__ = ["LOCAL_FITTERS", "THREADED_CLASSES", "FitParams", "LayerFit", "fit_layer", "fit_local_batched"]
+__all__ = ["LOCAL_FITTERS", "THREADED_CLASSES", "FitParams", "LayerFit", "fit_layer", "fit_local_batched",
+           "refit_anchors"]
 
 
 @dataclass
@@ -112,6 +113,18 @@ def fit_local_batched(fn_class: str, x: np.ndarray, y: np.ndarray, neighbours: n
         for start in starts:
             into(start)
     return LocalFit(tx=tx, cond=cond)
+
+
+def refit_anchors(fn_class: str, x: np.ndarray, y: np.ndarray, neighbours: np.ndarray, anchors: np.ndarray,
+                  params: FitParams, dtype: torch.dtype = torch.float64) -> np.ndarray:
+    """T(x) at the given anchor rows [m, d] from their neighbour rows [m, k], in one call of the class's
+    fitter: the plain path (no chunks, threads or preallocated output) that audits what a stage stored."""
+    X_all = torch.as_tensor(x)
+    nb = torch.as_tensor(neighbours, dtype=torch.int64)
+    X = X_all[nb].to(dtype)
+    D = torch.as_tensor(y)[nb].to(dtype) - X
+    anchor_rows = X_all[torch.as_tensor(anchors, dtype=torch.int64)].to(dtype)
+    return LOCAL_FITTERS[fn_class](X, D, anchor_rows, params).tx.numpy()
 
 
 def _folds(groups: np.ndarray, n_folds: int) -> np.ndarray:

@@ -1,0 +1,50 @@
+"""GX suites: each result is attributed to its expectation by configuration, whatever order GX
+returns them in."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from assets.expectations import Expect, between, row_count, validate
+
+FRAME = pd.DataFrame({"seq": [0, 0, 1], "pos": [1, 2, 1], "kl": [0.1, -0.5, 0.2], "rel_err": [0.3, 0.4, 0.5]})
+EXPECTATIONS = [row_count(3), *between("rel_err", 0.0, 1.0), *between("kl", 0.0)]
+
+
+def test_the_failing_expectation_is_the_one_named() -> None:
+    verdict = validate(FRAME, EXPECTATIONS)
+    assert verdict.failures == ["ExpectColumnValuesToBeBetween(kl, min_value=0.0) failed: 1 unexpected rows"]
+    assert verdict.offenders == [{"expectation": "ExpectColumnValuesToBeBetween", "seq": 0, "pos": 2, "kl": -0.5}]
+    assert len(verdict.evaluated) == len(EXPECTATIONS)
+
+
+def test_results_in_another_order_are_attributed_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Matching by position would blame rel_err's range for kl's failure once GX reorders its results."""
+    from great_expectations.datasource.fluent.interfaces import Batch
+
+    original = Batch.validate
+
+    def reversed_results(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        result = original(self, *args, **kwargs)
+        result.results = list(reversed(result.results))
+        return result
+
+    monkeypatch.setattr(Batch, "validate", reversed_results)
+    verdict = validate(FRAME, EXPECTATIONS)
+    assert verdict.failures == ["ExpectColumnValuesToBeBetween(kl, min_value=0.0) failed: 1 unexpected rows"]
+
+
+def test_an_expectation_without_a_result_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from great_expectations.datasource.fluent.interfaces import Batch
+
+    original = Batch.validate
+
+    def dropped(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        result = original(self, *args, **kwargs)
+        result.results = [r for r in result.results if r.expectation_config.type != "expect_table_row_count_to_equal"]
+        return result
+
+    monkeypatch.setattr(Batch, "validate", dropped)
+    verdict = validate(FRAME, [Expect("ExpectTableRowCountToEqual", {"value": 3}), *between("rel_err", 0.0)])
+    assert verdict.failures == ["ExpectTableRowCountToEqual(value=3): GX returned no result for it"]
