@@ -154,7 +154,7 @@ def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource
             write_sweep_run(root, model, run.config.config_id, run_record(model, run, base, layers))
     catalog.refresh(root)
     sensitivity = catalog.query(root, f"SELECT finding, convention, setting, round(value, 3) AS value, holds, flips "
-                                      f"FROM sensitivity WHERE model = '{model}'")
+                                      f"FROM sensitivity WHERE model = $1", [model])
     return dg.MaterializeResult(metadata={
         "configs": len(runs),
         "layers": ", ".join(map(str, layers)),

@@ -27,7 +27,7 @@ SELECT layer, fn_class, n_tokens,
        round(proj_res_m16, 3) AS proj_res16,
        round(kl_mean, 4) AS kl_mean,
        round(spearman_relerr_kl, 3) AS rho_relerr_kl
-FROM layer_summary WHERE model = '{model}' AND config_id = '{config_id}'
+FROM layer_summary WHERE model = $1 AND config_id = $2
 ORDER BY layer, fn_class
 """
 
@@ -145,7 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"updatelens run: the run failed: {failures[0]}", file=sys.stderr)
         return 1
     print(f"\nPer-layer summary ({args.model}, config {cfg.config_id}; SQL view layer_summary):")
-    _print_frame(catalog.query(lens.root, SUMMARY_SQL.format(model=args.model, config_id=cfg.config_id)))
+    _print_frame(catalog.query(lens.root, SUMMARY_SQL, [args.model, cfg.config_id]))
     where = "of the launcher; the steps ran in the workers" if profile.per_layer_runs else "of this process"
     print(f"\npipeline wall time {wall:.1f} s, peak RSS {peak:.2f} GiB ({where}); "
           f"catalog {catalog.catalog_path(lens.root) or 'in memory (updatelens sql)'}")
@@ -183,9 +183,9 @@ def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterIn
             return 1
     base = reports_root(lens.root)
     print("\nFindings (SQL view findings):")
-    quoted = ", ".join(f"'{m}'" for m in models)
-    _print_frame(catalog.query(lens.root, f"SELECT model, finding, fn_class, round(value, 3) AS value, threshold, "
-                                          f"holds FROM findings WHERE model IN ({quoted}) ORDER BY model, finding"))
+    _print_frame(catalog.query(lens.root, "SELECT model, finding, fn_class, round(value, 3) AS value, threshold, "
+                                          "holds FROM findings WHERE list_contains($1, model) ORDER BY model, finding",
+                               [list(models)]))
     for model in models:
         print(f"report: {base / model / 'index.html'}")
     print(f"comparison across models: {base / COMPARISON / 'index.html'}")
@@ -272,7 +272,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"\nsweep wall time {time.perf_counter() - start:.1f} s. Sensitivity (SQL view sensitivity):")
         _print_frame(catalog.query(lens.root, f"SELECT finding, convention, setting, fn_class, round(value, 3) AS value, "
                                               f"holds, round(delta, 3) AS delta, flips FROM sensitivity "
-                                              f"WHERE model = '{args.model}' ORDER BY finding, convention, setting"))
+                                              f"WHERE model = $1 ORDER BY finding, convention, setting", [args.model]))
         has_main = has_model(lens.root, "geometry", args.model)
         return _reports([args.model], lens, instance) if has_main else 0
 
@@ -332,12 +332,42 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
     root = args.data_root or default_data_root()
     try:
-        frame = catalog.query(root, args.query)
-    except duckdb.Error as exc:
+        frame = catalog.query(root, args.query, write=args.write)
+    except (duckdb.Error, catalog.ReadOnlyError) as exc:
         print(f"updatelens sql: {exc}", file=sys.stderr)
         return 2
     _print_frame(frame)
     return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Every stored partition file checked (Parquet footer); damaged ones listed and, with --repair,
+    moved to <root>/_quarantine/ (the next `updatelens run` recomputes them); incomplete layers listed."""
+    from orchestration.resources import default_data_root
+    from storage import catalog
+    from storage.integrity import find_damage, incomplete_layers, quarantine
+    from storage.layout import SWEEP_TABLES, TABLES
+
+    root = args.data_root or default_data_root()
+    damaged = find_damage(root, TABLES, SWEEP_TABLES)
+    for d in damaged:
+        print(f"damaged: {d.path}: {d.reason}")
+        if args.repair:
+            print(f"  quarantined to {quarantine(root, d.path)}")
+    incomplete = incomplete_layers(root, TABLES)
+    for model, layer, missing in incomplete:
+        print(f"incomplete: model={model} layer={layer}: no {', '.join(missing)}")
+    if args.repair and damaged:
+        catalog.refresh(root)
+    if not damaged and not incomplete:
+        print("every stored partition verifies; every stored layer is complete")
+        return 0
+    if damaged and not args.repair:
+        print("run `updatelens verify --repair` to move the damaged files aside; `updatelens run` then recomputes "
+              "them and the incomplete layers")
+    elif incomplete or damaged:
+        print("`updatelens run` (with the same --layers and settings) recomputes what is missing")
+    return 1
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
@@ -559,7 +589,16 @@ def main(argv: list[str] | None = None) -> int:
     sql = sub.add_parser("sql", help="run SQL over the stored tables and print the result")
     sql.add_argument("query")
     sql.add_argument("--data-root")
+    sql.add_argument("--write", action="store_true",
+                     help="allow statements that write (COPY ... TO, CREATE, ATTACH); default: read-only")
     sql.set_defaults(func=cmd_sql)
+
+    verify = sub.add_parser("verify", help="check every stored partition file; list damaged files and incomplete "
+                                           "layers (exit 1 if any)")
+    verify.add_argument("--data-root")
+    verify.add_argument("--repair", action="store_true",
+                        help="move damaged files to <root>/_quarantine/ (never deleted); `run` then recomputes them")
+    verify.set_defaults(func=cmd_verify)
 
     ui = sub.add_parser("ui", help="start the Dagster UI (dagster dev) on 127.0.0.1")
     ui.add_argument("--host", default="127.0.0.1")

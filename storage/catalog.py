@@ -21,18 +21,8 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from storage.layout import (
-    SWEEP_TABLES,
-    TABLES,
-    convergence_glob_pattern,
-    has_convergence_files,
-    glob_pattern,
-    has_files,
-    has_sweep_files,
-    has_sweep_runs,
-    sweep_glob_pattern,
-    sweep_runs_pattern,
-)
+from storage.integrity import Damaged, scan
+from storage.layout import CONVERGENCE, SWEEPS, SWEEP_TABLES, TABLES, has_sweep_runs, sweep_runs_pattern
 from storage.location import as_root, is_local
 
 CATALOG_FILE = "updatelens.duckdb"
@@ -256,26 +246,26 @@ def catalog_path(root: str | Path) -> Path | None:
     return Path(root) / CATALOG_FILE if is_local(root) else None
 
 
-def _parquet_view(name: str, pattern: str, hive_types: str, select: str = "*") -> str:
-    pattern = pattern.replace("'", "''")
-    return (f"CREATE OR REPLACE VIEW {name} AS SELECT {select} FROM read_parquet('{pattern}', "
+def _parquet_view(name: str, files: list[str], hive_types: str, select: str = "*") -> str:
+    """A view over an explicit list of verified files (hive keys read from their paths)."""
+    listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+    return (f"CREATE OR REPLACE VIEW {name} AS SELECT {select} FROM read_parquet([{listed}], "
             f"hive_partitioning = true, union_by_name = true, hive_types = {{{hive_types}}})")
 
 
-def view_sql(root: Path, table: str) -> str:
-    return _parquet_view(table, glob_pattern(root, table), "'model': VARCHAR, 'layer': INTEGER")
+MAIN_HIVE = "'model': VARCHAR, 'layer': INTEGER"
+SWEEP_HIVE = "'config': VARCHAR, 'model': VARCHAR, 'layer': INTEGER"  # rows carry config_id: `config=` dropped
+CONV_HIVE = "'n_seq': INTEGER, 'model': VARCHAR, 'layer': INTEGER"  # n_seq is part of config_id: dropped
 
 
-def sweep_view_sql(root: Path, table: str) -> str:
-    # rows carry config_id already; the folder's `config=` key is dropped
-    return _parquet_view(f"sweep_{table}", sweep_glob_pattern(root, table),
-                         "'config': VARCHAR, 'model': VARCHAR, 'layer': INTEGER", select="* EXCLUDE (config)")
-
-
-def convergence_view_sql(root: Path, table: str) -> str:
-    # rows carry config_id (n_seq is part of it); the folder's `n_seq=` key is dropped
-    return _parquet_view(f"conv_{table}", convergence_glob_pattern(root, table),
-                         "'n_seq': INTEGER, 'model': VARCHAR, 'layer': INTEGER", select="* EXCLUDE (n_seq)")
+def damaged_view_sql(damaged: list[Damaged]) -> str:
+    """`damaged_partitions(path, table_name, model, layer, reason)`: the files the views leave out."""
+    if not damaged:
+        return ("CREATE OR REPLACE VIEW damaged_partitions AS SELECT NULL::VARCHAR AS path, NULL::VARCHAR AS "
+                "table_name, NULL::VARCHAR AS model, NULL::INTEGER AS layer, NULL::VARCHAR AS reason WHERE false")
+    rows = ", ".join("(" + ", ".join("'" + str(v).replace("'", "''") + "'" for v in (d.path, d.table, d.model))
+                     + f", {d.layer}, '" + d.reason.replace("'", "''") + "')" for d in damaged)
+    return f"CREATE OR REPLACE VIEW damaged_partitions AS SELECT * FROM (VALUES {rows}) t(path, table_name, model, layer, reason)"
 
 
 # Each finding of a convergence study at each sample size, with its interval.
@@ -350,23 +340,28 @@ def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: st
     return views
 
 
+def _family_views(con: duckdb.DuckDBPyConnection, good: dict[str, list[str]], tables: tuple[str, ...],
+                  prefix: str, hive: str, select: str = "*") -> set[str]:
+    """One view per table with verified files (the others dropped); the tables that have one."""
+    for table in tables:
+        if table in good:
+            con.execute(_parquet_view(f"{prefix}{table}", good[table], hive, select))
+        else:
+            con.execute(f"DROP VIEW IF EXISTS {prefix}{table}")
+    return {t for t in tables if t in good}
+
+
 def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
-    """(Re)create on `con` the views of every table with files; drop the others."""
+    """(Re)create on `con` the views of every table with verified files; drop the others. Files whose
+    Parquet footer does not read are left out and listed in `damaged_partitions`."""
     root = as_root(root)
     if not is_local(root):
         con.register_filesystem(root.fs)
-    present = {t for t in TABLES if has_files(root, t)}
-    swept = {t for t in SWEEP_TABLES if has_sweep_files(root, t)}
-    for table in TABLES:
-        if table in present:
-            con.execute(view_sql(root, table))
-        else:
-            con.execute(f"DROP VIEW IF EXISTS {table}")
-    for table in SWEEP_TABLES:
-        if table in swept:
-            con.execute(sweep_view_sql(root, table))
-        else:
-            con.execute(f"DROP VIEW IF EXISTS sweep_{table}")
+    good, damaged = scan(root, TABLES)
+    swept_files, swept_damaged = scan(root, SWEEP_TABLES, f"{SWEEPS}/config=*/")
+    conv_files, conv_damaged = scan(root, TABLES, f"{CONVERGENCE}/n_seq=*/")
+    present = _family_views(con, good, TABLES, "", MAIN_HIVE)
+    swept = _family_views(con, swept_files, SWEEP_TABLES, "sweep_", SWEEP_HIVE, "* EXCLUDE (config)")
     if has_sweep_runs(root):
         pattern = sweep_runs_pattern(root).replace("'", "''")
         con.execute(f"CREATE OR REPLACE VIEW sweep_runs AS SELECT * FROM read_parquet('{pattern}', union_by_name = true)")
@@ -374,12 +369,8 @@ def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
         con.execute("DROP VIEW IF EXISTS sweep_runs")
     views = [t for t in TABLES if t in present] + _create_family(con, present, "")
     views += [f"sweep_{t}" for t in SWEEP_TABLES if t in swept] + _create_family(con, swept, "sweep_")
-    converged = {t for t in TABLES if t != "activations" and has_convergence_files(root, t)}
-    for table in TABLES:
-        if table in converged:
-            con.execute(convergence_view_sql(root, table))
-        else:
-            con.execute(f"DROP VIEW IF EXISTS conv_{table}")
+    conv_files.pop("activations", None)  # the convergence views analyse results, not states
+    converged = _family_views(con, conv_files, TABLES, "conv_", CONV_HIVE, "* EXCLUDE (n_seq)")
     views += [f"conv_{t}" for t in TABLES if t in converged] + _create_family(con, converged, "conv_")
     if "conv_findings_by_class" in views and "conv_geometry_bootstrap" in views:
         con.execute(CONVERGENCE_SQL)
@@ -391,7 +382,8 @@ def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
         views += ["sweep_runs", "sensitivity"]
     else:
         con.execute("DROP VIEW IF EXISTS sensitivity")
-    return views
+    con.execute(damaged_view_sql(damaged + swept_damaged + conv_damaged))
+    return [*views, "damaged_partitions"]
 
 
 def refresh(root: str | Path, db_path: Path | None = None) -> list[str]:
@@ -415,9 +407,23 @@ def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def query(root: str | Path, sql: str, params: list[object] | None = None) -> pl.DataFrame:
+class ReadOnlyError(ValueError):
+    """A statement that could write (COPY, CREATE, ATTACH, ...) where only reading was allowed."""
+
+
+READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")  # DESCRIBE, SHOW, SUMMARIZE and PRAGMA show_* parse as SELECT
+
+
+def query(root: str | Path, sql: str, params: list[object] | None = None, write: bool = False) -> pl.DataFrame:
     """Run SQL over the stored tables, with `$1`.. bound to `params`; returns a polars frame (empty
-    for statements without rows)."""
+    for statements without rows). Unless `write`, only reading statements run: a COPY ... TO, CREATE,
+    ATTACH, INSTALL or SET is refused (ReadOnlyError) before anything executes."""
     with connect(root) as con:
+        if not write:
+            kinds = [st.type.name for st in con.extract_statements(sql)]
+            refused = sorted({kind for kind in kinds if kind not in READ_ONLY_STATEMENTS})
+            if refused:
+                raise ReadOnlyError(f"read-only: {', '.join(refused)} statements are not allowed "
+                                    f"(updatelens sql --write allows them)")
         rel = con.sql(sql, params=params) if params else con.sql(sql)
         return rel.pl() if rel is not None else pl.DataFrame()

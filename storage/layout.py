@@ -27,6 +27,7 @@ import signal
 import tempfile
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -35,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from upath import UPath
 
+from storage.integrity import footer_error, quarantine
 from storage.location import as_root, is_local, url
 
 # Every table the pipeline writes, by the asset that writes it.
@@ -140,10 +142,21 @@ def staged_dir(root: str | Path, final: str | Path) -> Iterator[Path]:
         os.rename(staging, final)
         _fsync_dir(final.parent)
         if old is not None:
+            _keep_damaged(root, old, final)
             shutil.rmtree(old, ignore_errors=True)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _keep_damaged(root: UPath, old: UPath, final: UPath) -> None:
+    """Damaged Parquet files of a replaced partition go to the quarantine, not away with it."""
+    for file in Path(old).glob("*.parquet"):
+        reason = footer_error(file)
+        if reason is not None:
+            relative = f"{str(final).removeprefix(str(root)).lstrip('/')}/{file.name}"
+            where = quarantine(root, file, relative)
+            warnings.warn(f"replaced a damaged partition file ({reason}); kept it at {where}", stacklevel=2)
 
 
 def publish_dir(root: str | Path, final: str | Path, fill: Callable[[Path], None]) -> UPath:

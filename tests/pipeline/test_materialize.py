@@ -129,6 +129,21 @@ def test_updatelens_sql_prints_a_table(run, capsys: pytest.CaptureFixture) -> No
     assert "no_such_view" in capsys.readouterr().err
 
 
+def test_updatelens_sql_is_read_only_unless_asked(run, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """COPY ... TO (and any other writing statement) is refused before it runs; --write allows it."""
+    from orchestration.cli import main
+
+    lens, _ = run
+    target = tmp_path / "out.csv"
+    copy = f"COPY (SELECT model FROM layer_summary) TO '{target}'"
+    assert main(["sql", copy, "--data-root", lens.data_root]) == 2
+    assert "read-only: COPY" in capsys.readouterr().err and not target.exists()
+    assert main(["sql", "SELECT 1; CREATE TABLE t AS SELECT 1", "--data-root", lens.data_root]) == 2
+    assert "CREATE" in capsys.readouterr().err
+    assert main(["sql", "DESCRIBE layer_summary", "--data-root", lens.data_root]) == 0
+    assert main(["sql", copy, "--data-root", lens.data_root, "--write"]) == 0 and target.exists()
+
+
 def test_reports_build_from_stored_results_with_every_figure(run) -> None:
     from PIL import Image
 

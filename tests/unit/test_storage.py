@@ -45,7 +45,7 @@ def test_catalog_views_read_hive_partitions(tmp_path: Path) -> None:
     write_partition(tmp_path, "activations", "a", 0, table(2, 1.0))
     write_partition(tmp_path, "activations", "b", 1, table(3, 1.0).set_column(0, "model", pa.array(["b"] * 3)))
     views = catalog.refresh(tmp_path)
-    assert views == ["activations"]
+    assert views == ["activations", "damaged_partitions"]
     with duckdb.connect(str(catalog.catalog_path(tmp_path)), read_only=True) as con:
         rows = con.sql("SELECT model, count(*) FROM activations GROUP BY model ORDER BY model").fetchall()
     assert rows == [("a", 2), ("b", 3)]

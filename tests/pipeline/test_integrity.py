@@ -1,0 +1,79 @@
+"""Damaged and missing partitions: detected, left out of the views (other partitions keep answering),
+counted as stale, quarantined (never deleted) and recomputed by the next run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from orchestration.cli import main
+from orchestration.resources import AnalysisSettings, UpdateLensResource
+from orchestration.runner import materialize_model, stale_layers
+from storage import catalog
+from storage.integrity import QUARANTINE
+from storage.layout import partition_file
+
+MODEL = "tiny-llama"
+SETTINGS = dict(n_seq=6, seq_len=16, k=8, rank=2, classes=["diagonal"], bootstrap=10)
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # what a full disk or a partial copy leaves
+
+
+@pytest.fixture
+def stored(zoo: Path, tmp_path: Path) -> tuple[UpdateLensResource, dg.DagsterInstance]:
+    lens = UpdateLensResource(data_root=str(tmp_path / "data"), registry=str(zoo), analysis=AnalysisSettings(**SETTINGS))
+    instance = dg.DagsterInstance.ephemeral()
+    assert materialize_model(MODEL, lens, instance, layers=[0, 1], log_level="WARNING").success
+    return lens, instance
+
+
+def test_a_truncated_partition_is_left_out_named_quarantined_and_recomputed(
+        stored: tuple[UpdateLensResource, dg.DagsterInstance], capsys: pytest.CaptureFixture) -> None:
+    lens, instance = stored
+    damaged = Path(partition_file(lens.root, "residuals", MODEL, 1))
+    truncate(damaged)
+    # other partitions keep answering; the damaged one is named
+    assert catalog.query(lens.root, "SELECT DISTINCT layer FROM residuals")["layer"].to_list() == [0]
+    assert catalog.query(lens.root, "SELECT count(DISTINCT layer) AS n FROM geometry")["n"][0] == 2
+    listed = catalog.query(lens.root, "SELECT table_name, model, layer, reason FROM damaged_partitions").to_dicts()
+    assert len(listed) == 1 and listed[0]["table_name"] == "residuals" and listed[0]["layer"] == 1
+    assert "unreadable Parquet" in listed[0]["reason"]
+    assert stale_layers(lens, MODEL, [0, 1]) == [1]
+    # verify reports it (exit 1); --repair moves it aside, never deletes it
+    assert main(["verify", "--data-root", lens.data_root]) == 1
+    assert f"damaged: {damaged}" in capsys.readouterr().out
+    assert main(["verify", "--data-root", lens.data_root, "--repair"]) == 1  # layer 1 is now incomplete
+    out = capsys.readouterr().out
+    assert "quarantined to" in out and f"incomplete: model={MODEL} layer=1: no residuals" in out
+    kept = list((Path(lens.data_root) / QUARANTINE).rglob("part-0.parquet"))
+    assert len(kept) == 1 and "residuals/model=tiny-llama/layer=1" in str(kept[0]) and not damaged.exists()
+    # the next run recomputes exactly that layer
+    assert materialize_model(MODEL, lens, instance, layers=[1], log_level="WARNING").success
+    assert stale_layers(lens, MODEL, [0, 1]) == []
+    assert main(["verify", "--data-root", lens.data_root]) == 0
+
+
+def test_a_damaged_file_replaced_by_a_run_is_kept_in_quarantine(
+        stored: tuple[UpdateLensResource, dg.DagsterInstance]) -> None:
+    lens, instance = stored
+    truncate(Path(partition_file(lens.root, "geometry", MODEL, 0)))
+    assert stale_layers(lens, MODEL, [0, 1]) == [0]
+    with pytest.warns(UserWarning, match="replaced a damaged partition file"):
+        assert materialize_model(MODEL, lens, instance, layers=[0], log_level="WARNING").success
+    kept = list((Path(lens.data_root) / QUARANTINE).rglob("part-0.parquet"))
+    assert [k.parent.parent.parent.name for k in kept] == ["geometry"]
+    assert catalog.query(lens.root, "SELECT count(*) AS n FROM damaged_partitions")["n"][0] == 0
+
+
+def test_a_deleted_partition_makes_its_layer_stale_and_incomplete(
+        stored: tuple[UpdateLensResource, dg.DagsterInstance], capsys: pytest.CaptureFixture) -> None:
+    lens, _ = stored
+    Path(partition_file(lens.root, "spectra", MODEL, 1)).unlink()
+    assert stale_layers(lens, MODEL, [0, 1]) == [1]
+    assert main(["verify", "--data-root", lens.data_root]) == 1
+    assert f"incomplete: model={MODEL} layer=1: no spectra" in capsys.readouterr().out
