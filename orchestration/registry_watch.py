@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestration.partitions import model_keys
-from storage.integrity import footer_error
+from storage.integrity import partition_error
 from storage.layout import TABLES, partition_file, read_file
 from updatelens.registry import ModelEntry, load_models
 
@@ -43,10 +43,10 @@ LAST_TABLE = "functional_bootstrap"  # written by the last stage: present only i
 
 def partition_state(root: Path, model: str, layer: int) -> tuple[str, str] | None:
     """(config_id, code_version) of a stored partition of the last stage; None if it or any other
-    table of the (model, layer) is absent or does not verify (a partition deleted or damaged
-    upstream makes the layer stale: see storage.integrity)."""
+    table of the (model, layer) is absent or does not verify against its manifest (a partition
+    deleted or damaged upstream makes the layer stale: see storage.integrity)."""
     path = partition_file(root, LAST_TABLE, model, layer)
-    if any(footer_error(partition_file(root, table, model, layer)) is not None for table in TABLES):
+    if any(partition_error(partition_file(root, table, model, layer)) is not None for table in TABLES):
         return None
     table = read_file(path).select(["config_id", "code_version"])
     if len(table) == 0:

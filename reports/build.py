@@ -22,7 +22,8 @@ from upath import UPath
 
 from reports import figures as fig
 from storage import catalog
-from storage.layout import publish_dir
+from storage.integrity import incomplete_layers
+from storage.layout import TABLES, publish_dir
 from storage.location import as_root
 from updatelens.errors import UpdateLensError
 
@@ -202,9 +203,18 @@ def build_model_report(root: Path, model: str) -> Report:
             swept_layers = str(swept["layers"][0] or "")
         prov = _frame(con, f"SELECT model_revision, corpus, corpus_slice, code_version, config_json FROM geometry "
                            f"WHERE {where} LIMIT 1", params).to_dicts()[0]
+        damaged = _frame(con, "SELECT table_name, layer, reason FROM damaged_partitions WHERE model = ? "
+                              "ORDER BY layer, table_name", [model])
     n_layers = layers[-1] + 1
     if len(layers) < n_layers:
         notes.append(f"Only layers {', '.join(map(str, layers))} are stored; curves skip the others.")
+    # a layer with a table missing or damaged is not presented as complete: say which and what to run
+    for row in damaged.iter_rows(named=True):
+        notes.append(f"Layer {row['layer']}: its {row['table_name']} partition is damaged ({row['reason']}) and left "
+                     f"out of every table and finding; `updatelens verify --repair`, then `updatelens run`, "
+                     f"recompute it.")
+    for _, layer, absent in (i for i in incomplete_layers(root, TABLES) if i[0] == model):
+        notes.append(f"Layer {layer} is incomplete (no {', '.join(absent)}): the findings cover the other layers.")
     title = f"UpdateLens report: {model}"
     drawings = {
         "layer_curves": lambda: fig.layer_curves(summary, ranks, f"{model}, config {config_id}"),

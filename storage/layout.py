@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from upath import UPath
 
-from storage.integrity import footer_error, quarantine
+from storage.integrity import MANIFEST, partition_error, quarantine, write_manifest
 from storage.location import as_root, is_local, url
 
 # Every table the pipeline writes, by the asset that writes it.
@@ -56,7 +56,7 @@ ROW_GROUP_ROWS = 8192
 # this table (after its first row group reached the staging file, before the rename).
 KILL_MID_WRITE_ENV = "UPDATELENS_FAULT_KILL_MID_WRITE"
 # Files committed last when a folder is published to an object store (readers open these first).
-ENTRY_FILES = ("index.html", PART_FILE, "run.parquet")
+ENTRY_FILES = ("index.html", PART_FILE, "run.parquet", MANIFEST)  # committed last, the manifest after its file
 # Object-store staging keys older than this are from a crashed writer (no pid to ask there).
 STALE_STAGING_S = 3600.0
 LOCK_DIR_ENV = "UPDATELENS_LOCK_DIR"
@@ -94,10 +94,13 @@ class ParquetSink:
         self.rows = 0
         self._writer: pq.ParquetWriter | None = None
         self._kill = os.environ.get(KILL_MID_WRITE_ENV) == table_name
+        self._provenance: dict[str, str] = {}
 
     def write(self, table: pa.Table, row_group_rows: int = ROW_GROUP_ROWS) -> None:
         if self._writer is None:
             self._writer = pq.ParquetWriter(self.path, table.schema, compression="zstd")
+            self._provenance = {c: str(table[c][0].as_py()) for c in ("config_id", "code_version")
+                                if c in table.column_names and len(table)}
         step = max(1, len(table) // 2) if self._kill else row_group_rows
         for batch in table.to_batches(max_chunksize=step):
             self._writer.write_batch(batch)
@@ -111,6 +114,8 @@ class ParquetSink:
         self._writer.close()
         with open(self.path, "rb+") as f:
             os.fsync(f.fileno())
+        # the manifest sits beside the file in the same staging folder: it is committed with the data
+        write_manifest(self.path, self.table_name, self.rows, self._provenance)
 
 
 def _write_parquet(table: pa.Table, path: Path, table_name: str) -> None:
@@ -152,7 +157,7 @@ def staged_dir(root: str | Path, final: str | Path) -> Iterator[Path]:
 def _keep_damaged(root: UPath, old: UPath, final: UPath) -> None:
     """Damaged Parquet files of a replaced partition go to the quarantine, not away with it."""
     for file in Path(old).glob("*.parquet"):
-        reason = footer_error(file)
+        reason = partition_error(file)
         if reason is not None:
             relative = f"{str(final).removeprefix(str(root)).lstrip('/')}/{file.name}"
             where = quarantine(root, file, relative)
@@ -181,7 +186,7 @@ def _commit_remote(root: UPath, final: UPath, tmp: Path) -> None:
     fs = root.fs
     staging = _staging_dir(root)
     names = sorted((p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()),
-                   key=lambda name: (name in ENTRY_FILES, name))
+                   key=lambda name: (ENTRY_FILES.index(name) + 1 if name in ENTRY_FILES else 0, name))
     try:
         for name in names:  # upload to temporary keys: nothing under `final` changes yet
             fs.put_file(str(tmp / name), (staging / name).path)

@@ -11,8 +11,9 @@ import pytest
 from orchestration.cli import main
 from orchestration.resources import AnalysisSettings, UpdateLensResource
 from orchestration.runner import materialize_model, stale_layers
+from reports.build import build_model_report
 from storage import catalog
-from storage.integrity import QUARANTINE
+from storage.integrity import MANIFEST, QUARANTINE, partition_error, read_manifest
 from storage.layout import partition_file
 
 MODEL = "tiny-llama"
@@ -42,16 +43,20 @@ def test_a_truncated_partition_is_left_out_named_quarantined_and_recomputed(
     assert catalog.query(lens.root, "SELECT count(DISTINCT layer) AS n FROM geometry")["n"][0] == 2
     listed = catalog.query(lens.root, "SELECT table_name, model, layer, reason FROM damaged_partitions").to_dicts()
     assert len(listed) == 1 and listed[0]["table_name"] == "residuals" and listed[0]["layer"] == 1
-    assert "unreadable Parquet" in listed[0]["reason"]
+    assert "its manifest says" in listed[0]["reason"] and "truncated" in listed[0]["reason"]
     assert stale_layers(lens, MODEL, [0, 1]) == [1]
+    notes = build_model_report(lens.root, MODEL).notes  # the report does not present layer 1 as complete
+    assert any("Layer 1: its residuals partition is damaged" in n for n in notes), notes
     # verify reports it (exit 1); --repair moves it aside, never deletes it
     assert main(["verify", "--data-root", lens.data_root]) == 1
     assert f"damaged: {damaged}" in capsys.readouterr().out
     assert main(["verify", "--data-root", lens.data_root, "--repair"]) == 1  # layer 1 is now incomplete
     out = capsys.readouterr().out
     assert "quarantined to" in out and f"incomplete: model={MODEL} layer=1: no residuals" in out
+    assert any("Layer 1 is incomplete (no residuals)" in n for n in build_model_report(lens.root, MODEL).notes)
     kept = list((Path(lens.data_root) / QUARANTINE).rglob("part-0.parquet"))
     assert len(kept) == 1 and "residuals/model=tiny-llama/layer=1" in str(kept[0]) and not damaged.exists()
+    assert (kept[0].parent / MANIFEST).exists()  # its manifest goes with it
     # the next run recomputes exactly that layer
     assert materialize_model(MODEL, lens, instance, layers=[1], log_level="WARNING").success
     assert stale_layers(lens, MODEL, [0, 1]) == []
@@ -77,3 +82,24 @@ def test_a_deleted_partition_makes_its_layer_stale_and_incomplete(
     assert stale_layers(lens, MODEL, [0, 1]) == [1]
     assert main(["verify", "--data-root", lens.data_root]) == 1
     assert f"incomplete: model={MODEL} layer=1: no spectra" in capsys.readouterr().out
+
+
+def test_every_partition_has_a_manifest_and_a_flipped_bit_is_caught(
+        stored: tuple[UpdateLensResource, dg.DagsterInstance]) -> None:
+    """A flipped byte in the middle of a file keeps its size and usually its footer: only the content
+    checksum of its manifest shows it. A file whose manifest is lost is not trusted either."""
+    lens, _ = stored
+    file = Path(partition_file(lens.root, "local_fits", MODEL, 0))
+    entry = read_manifest(file)
+    assert entry is not None and entry["table"] == "local_fits" and entry["bytes"] == file.stat().st_size
+    assert entry["rows"] > 0 and len(entry["sha256"]) == 64 and entry["config_id"] and entry["code_version"]
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+    assert "SHA-256" in partition_error(file)
+    assert stale_layers(lens, MODEL, [0, 1]) == [0]
+    listed = catalog.query(lens.root, "SELECT table_name, layer, reason FROM damaged_partitions").to_dicts()
+    assert [(r["table_name"], r["layer"]) for r in listed] == [("local_fits", 0)]
+    (Path(partition_file(lens.root, "geometry", MODEL, 1)).parent / MANIFEST).unlink()
+    assert "not listed in a manifest" in partition_error(partition_file(lens.root, "geometry", MODEL, 1))
+    assert catalog.query(lens.root, "SELECT count(DISTINCT layer) AS n FROM geometry")["n"][0] == 1

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pytest
 
 from storage import catalog
+from storage.integrity import partition_error
 from storage.layout import (
     STAGING,
     clean_abandoned_staging,
@@ -63,7 +64,9 @@ def test_a_rewrite_replaces_the_object_whole_and_leaves_no_temporary_key(root: s
     write_partition(root, "geometry", "m", 0, table(5, 1.0))
     write_partition(root, "geometry", "m", 0, table(3, 2.0))
     assert read_partition(root, "geometry", "m", 0)["v"].to_pylist() == [2.0] * 3
-    assert keys(root) == ["geometry/model=m/layer=0/part-0.parquet"]  # no _staging key left
+    # no _staging key left; the manifest, committed after its file, lists it and it verifies
+    assert keys(root) == ["geometry/model=m/layer=0/manifest.json", "geometry/model=m/layer=0/part-0.parquet"]
+    assert partition_error(partition_file(root, "geometry", "m", 0)) is None
     assert has_files(root, "geometry") and not has_files(root, "spectra")
     delete_partition(root, "geometry", "m", 0)
     assert not partition_file(root, "geometry", "m", 0).exists()
@@ -79,7 +82,7 @@ def test_a_failed_write_leaves_the_old_object(root: str, monkeypatch: pytest.Mon
     with pytest.raises(OSError, match="disk full"):
         write_partition(root, "geometry", "m", 0, table(9, 9.0))
     assert read_partition(root, "geometry", "m", 0)["v"].to_pylist() == [1.0, 1.0]
-    assert keys(root) == ["geometry/model=m/layer=0/part-0.parquet"]
+    assert keys(root) == ["geometry/model=m/layer=0/manifest.json", "geometry/model=m/layer=0/part-0.parquet"]
 
 
 def test_a_failed_commit_removes_its_temporary_keys(root: str, monkeypatch: pytest.MonkeyPatch) -> None:

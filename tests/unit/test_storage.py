@@ -7,6 +7,7 @@ import pyarrow as pa
 import pytest
 
 from storage import catalog
+from storage.integrity import MANIFEST, partition_error, read_manifest
 from storage.layout import STAGING, partition_file, read_partition, write_partition
 
 
@@ -19,7 +20,10 @@ def test_rewrite_replaces_a_partition_whole_and_leaves_no_staging(tmp_path: Path
     write_partition(tmp_path, "geometry", "m", 0, table(3, 2.0))
     got = read_partition(tmp_path, "geometry", "m", 0)
     assert got["v"].to_pylist() == [2.0] * 3
-    assert list((tmp_path / "geometry" / "model=m" / "layer=0").iterdir()) == [partition_file(tmp_path, "geometry", "m", 0)]
+    folder = tmp_path / "geometry" / "model=m" / "layer=0"
+    assert sorted(p.name for p in folder.iterdir()) == [MANIFEST, "part-0.parquet"]  # the file and its manifest
+    assert read_manifest(partition_file(tmp_path, "geometry", "m", 0))["rows"] == 3
+    assert partition_error(partition_file(tmp_path, "geometry", "m", 0)) is None
     assert not any((tmp_path / STAGING).iterdir())
 
 
