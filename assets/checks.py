@@ -39,6 +39,8 @@ class CheckSettings(dg.Config):
     audit_tol: float = 1e-4  # re-fitted vs stored T(x), relative to ||T(x)|| (stored as float32)
     max_degenerate_frac: float = 0.05  # share of ill-conditioned or non-finite fits per class
     max_best_rel_err_median: float = 1.0  # the best class must explain part of the update
+    rel_err_drift_tol: float = 0.05  # relative error quantiles vs the partition's previous materialization
+    max_residual_ratio: float = 10.0  # ||r|| over the layer's 99th percentile ||Δ_full||: above it a fit blew up
     min_tokens_spearman: int = 20  # Spearman must be defined (and in [-1, 1]) with this many tokens
     identity_kl_tol: float = 1e-6  # KL of the identity patch (patched = true state)
     kl_rounding_tol: float = 1e-5  # how far below 0 a KL may fall before the clamp (rounding)
@@ -72,6 +74,11 @@ CHECKS: dict[str, list[CheckDef]] = {
                  "errors finite and >= 0"),
         CheckDef("rel_err_within_bounds", False, "median relative error of the best class is "
                  "below its configured bound"),
+        CheckDef("no_blown_up_fits", False, "no residual longer than 10 x the layer's 99th-percentile "
+                 "update (a fit that blew up on an ill-conditioned neighbourhood)"),
+        CheckDef("rel_err_drift", False, "per class, the 10/50/90 % quantiles of the relative error within "
+                 "5 % of the partition's previous materialization under the same configuration (a changed "
+                 "solver or stage shows; nothing to compare on a first materialization)"),
     ],
     "geometry": [
         CheckDef("geometry_ranges", False, "cosines in [-1, 1], angles in [0, 180], projection "
@@ -375,6 +382,62 @@ def _merge_by_label(verdict: Verdict, blocks: Verdict) -> None:
             verdict.evaluated.append(label)
     verdict.failures += blocks.failures
     verdict.offenders += blocks.offenders[:20]
+
+
+def check_blown_up_fits(residuals: pa.Table, settings: CheckSettings) -> Verdict:
+    """Residuals far longer than any update of the layer: ||r|| > max_residual_ratio x the 99th
+    percentile of ||Δ_full||. On SmolLM2 the largest ratio over the default job's 30 layers and two
+    classes was 4.1; one ill-conditioned lowrank neighbourhood at 8k tokens gave 26.7."""
+    verdict = Verdict()
+    full = residuals["norm_full"].to_numpy()
+    reference = float(np.quantile(full[np.isfinite(full)], 0.99)) if len(full) else 0.0
+    res = residuals["norm_res"].to_numpy()
+    ratio = res / max(reference, 1e-30)
+    bad = np.flatnonzero(ratio > settings.max_residual_ratio)
+    worst = np.argsort(-ratio[bad])[:10]
+    verdict.expect(f"||r|| <= {settings.max_residual_ratio:g} x p99 ||Δ_full||", len(bad) == 0,
+                   f"{len(bad)} residuals are longer than {settings.max_residual_ratio:g} x the layer's 99th-percentile "
+                   f"update ({reference:.3g}); the longest {np.max(ratio):.1f} x: a fit blew up",
+                   _ids(residuals, bad[worst], {"norm_res": res, "ratio": ratio}))
+    return verdict
+
+
+DRIFT_QUANTILES = (0.1, 0.5, 0.9)
+
+
+def rel_err_quantiles(residuals: pa.Table) -> dict[str, list[float]]:
+    """The relative error's DRIFT_QUANTILES per class of a residuals partition (fn_class, rel_err)."""
+    out = {}
+    for fn_class in dict.fromkeys(residuals["fn_class"].to_pylist()):
+        rel = residuals.filter(pc.equal(residuals["fn_class"], fn_class))["rel_err"].to_numpy()
+        out[fn_class] = [float(q) for q in np.quantile(rel[np.isfinite(rel)], DRIFT_QUANTILES)]
+    return out
+
+
+def check_rel_err_drift(residuals: pa.Table, previous: dict[str, list[float]] | None,
+                        settings: CheckSettings) -> Verdict:
+    """The stored relative errors against the quantiles of the partition's previous materialization
+    under the same configuration (GX quantile expectations, bounds +-rel_err_drift_tol relative)."""
+    verdict = Verdict()
+    if not previous:
+        return verdict  # first materialization (or another configuration): nothing to compare with
+    tol = settings.rel_err_drift_tol
+    for fn_class, before in previous.items():
+        part = residuals.filter(pc.equal(residuals["fn_class"], fn_class)).select(["seq", "pos", "rel_err"])
+        if not len(part):
+            continue
+        ranges = [[q * (1 - tol), q * (1 + tol)] for q in before]
+        result = validate(part.to_pandas(), [Expect("ExpectColumnQuantileValuesToBeBetween", {
+            "column": "rel_err", "quantile_ranges": {"quantiles": list(DRIFT_QUANTILES), "value_ranges": ranges}})])
+        verdict.evaluated.append(f"rel_err_drift({fn_class})")
+        if not result.passed:
+            now = rel_err_quantiles(residuals.filter(pc.equal(residuals["fn_class"], fn_class)))[fn_class]
+            verdict.failures.append(
+                f"{fn_class}: relative error quantiles (10/50/90 %) moved from "
+                f"{', '.join(f'{q:.3g}' for q in before)} to {', '.join(f'{q:.3g}' for q in now)} "
+                f"(tolerance {tol:.0%} of the previous materialization with this configuration)")
+            verdict.offenders.append({"fn_class": fn_class, "before": before, "now": now})
+    return verdict
 
 
 def check_rel_err_bounds(residuals: pa.Table, settings: CheckSettings) -> Verdict:

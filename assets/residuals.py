@@ -5,6 +5,7 @@ Streams over blocks of whole sequences: memory holds one block whatever the samp
 import dagster as dg
 import numpy as np
 import pyarrow.compute as pc
+from upath import UPath
 
 from assets import checks
 from assets.common import (
@@ -19,6 +20,7 @@ from assets.common import (
 )
 from assets.local_fits import local_fits
 from orchestration.resources import UpdateLensResource
+from storage.integrity import partition_error
 from storage.layout import partition_file, partition_writer, read_partition_columns
 from updatelens.analysis import residuals_table
 
@@ -36,11 +38,14 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
     written = Written()
     recon: dict[str, checks.Verdict] = {}
     bounds: dict[str, checks.Verdict] = {}
+    drift: dict[str, checks.Verdict] = {}
+    blown: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, lens.root):
         for layer in layers:
             prov = provenance_from(check_upstream(lens.root, "activations", model, layer, cfg), cfg)
             check_upstream(lens.root, "local_fits", model, layer, cfg)
             key = f"{model}:{layer:02d}"
+            previous = _previous_quantiles(lens.root, model, layer, cfg.config_id)
             gaps = checks.Verdict()
             n_kept = 0
             with partition_writer(lens.root, "residuals", model, layer) as sink:
@@ -55,10 +60,26 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
             stored = read_partition_columns(lens.root, "residuals", model, layer, SCALARS)
             recon[key] = checks.check_reconstruction(stored, n_kept, cfg, gaps)
             bounds[key] = checks.check_rel_err_bounds(stored, lens.checks)
+            drift[key] = checks.check_rel_err_drift(stored, previous, lens.checks)
+            blown[key] = checks.check_blown_up_fits(stored, lens.checks)
             for fn_class in cfg.classes:
                 part = stored.filter(pc.equal(stored["fn_class"], fn_class))
                 written.note(model, layer, **{f"rel_err_median_{fn_class}": float(np.median(part["rel_err"].to_numpy()))})
     return finish(lens.root, cfg, written, check_results=[
         checks.result("residuals", "residuals_match_fits", recon, lens.checks),
         checks.result("residuals", "rel_err_within_bounds", bounds, lens.checks),
+        checks.result("residuals", "rel_err_drift", drift, lens.checks),
+        checks.result("residuals", "no_blown_up_fits", blown, lens.checks),
     ])
+
+
+def _previous_quantiles(root: UPath, model: str, layer: int, config_id: str) -> dict[str, list[float]] | None:
+    """The relative error quantiles of the partition this run replaces, if it verifies and has the
+    same configuration (read before it is replaced)."""
+    path = partition_file(root, "residuals", model, layer)
+    if partition_error(path) is not None:
+        return None
+    old = read_partition_columns(root, "residuals", model, layer, ["fn_class", "rel_err", "config_id"])
+    if not len(old) or old["config_id"][0].as_py() != config_id:
+        return None
+    return checks.rel_err_quantiles(old)

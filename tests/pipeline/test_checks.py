@@ -22,6 +22,7 @@ from orchestration.definitions import ASSETS
 from orchestration.partitions import model_keys
 from orchestration.resources import AnalysisSettings, UpdateLensResource
 from storage.layout import partition_file
+from updatelens.fits.base import LocalFit
 from updatelens.tables import to_matrix, vector_column
 
 MODEL = "tiny-gpt2"
@@ -67,7 +68,8 @@ def test_clean_data_passes_every_check(zoo: Path, tmp_path: Path) -> None:
     assert result.success
     checks = evaluations(result)
     assert set(checks) == {"activations_valid", "activations_match_hidden_states", "fits_valid", "fits_refit_audit",
-                           "residuals_match_fits", "rel_err_within_bounds", "geometry_ranges", "functional_valid"}
+                           "residuals_match_fits", "rel_err_within_bounds", "rel_err_drift", "no_blown_up_fits",
+                           "geometry_ranges", "functional_valid"}
     assert all(e.passed for e in checks.values()), {n: e.description for n, e in checks.items() if not e.passed}
     meta = checks["residuals_match_fits"].metadata
     assert meta["expectations_failed"].value == 0 and meta["expectations_evaluated"].value > 5
@@ -135,6 +137,56 @@ def test_fits_out_of_line_with_their_neighbours_fail_the_refit_audit(
     assert evaluations(result)["fits_valid"].passed
     assert_blocked(result, instance, "fits_refit_audit", "re-fitted anchors differ from the stored T(x)",
                    "residuals", tmp_path)
+
+
+def test_a_solver_that_changes_its_answers_fails_the_drift_check(
+        zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second materialization whose diagonal solver returns its update with the wrong sign (a
+    regression a code change could bring): its stored fits, residuals and audit agree with one another,
+    so only the comparison with the previous materialization's relative errors shows it. Rerun
+    unchanged, it passes."""
+    import updatelens.fits
+
+    first, _ = run(zoo, tmp_path)
+    assert first.success and evaluations(first)["rel_err_drift"].metadata["expectations_evaluated"].value == 0
+    again, _ = run(zoo, tmp_path)
+    drift = evaluations(again)["rel_err_drift"]
+    assert drift.passed and drift.metadata["expectations_evaluated"].value == 2  # diagonal and lowrank compared
+    solver = updatelens.fits.LOCAL_FITTERS["diagonal"]
+
+    def wrong_sign(X, D, anchors, params):  # type: ignore[no-untyped-def]
+        fit = solver(X, D, anchors, params)
+        return LocalFit(tx=anchors - (fit.tx - anchors), cond=fit.cond)
+
+    monkeypatch.setitem(updatelens.fits.LOCAL_FITTERS, "diagonal", wrong_sign)
+    result, _ = run(zoo, tmp_path)
+    checks = evaluations(result)
+    assert checks["fits_refit_audit"].passed and checks["residuals_match_fits"].passed
+    assert not checks["rel_err_drift"].passed
+    assert "diagonal: relative error quantiles (10/50/90 %) moved from" in checks["rel_err_drift"].description
+
+
+def test_one_blown_up_fit_fails_its_check(zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The diagonal solver returns a huge update for some anchors (what an ill-conditioned neighbourhood
+    does): stored fits, residuals and the audit agree; the residual's length against the layer's
+    updates shows it and names the tokens."""
+    import updatelens.fits
+
+    solver = updatelens.fits.LOCAL_FITTERS["diagonal"]
+
+    def one_blows_up(X, D, anchors, params):  # type: ignore[no-untyped-def]
+        fit = solver(X, D, anchors, params)
+        # chosen by the anchor's own values, so the audit's re-fit blows up the same anchors
+        blown = ((anchors[:, :1] * 1e4).floor() % 7 == 0).to(anchors.dtype)
+        return LocalFit(tx=fit.tx + 1e3 * blown * (fit.tx - anchors), cond=fit.cond)
+
+    monkeypatch.setitem(updatelens.fits.LOCAL_FITTERS, "diagonal", one_blows_up)
+    result, _ = run(zoo, tmp_path)
+    checks = evaluations(result)
+    assert checks["fits_refit_audit"].passed and checks["residuals_match_fits"].passed
+    assert not checks["no_blown_up_fits"].passed
+    assert "a fit blew up" in checks["no_blown_up_fits"].description
+    assert checks["no_blown_up_fits"].metadata["worst_offenders"].value[0]["ratio"] > 10
 
 
 def test_broken_reconstruction_blocks_geometry(zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
