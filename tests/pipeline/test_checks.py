@@ -139,29 +139,38 @@ def test_fits_out_of_line_with_their_neighbours_fail_the_refit_audit(
                    "residuals", tmp_path)
 
 
+def run_with_diagonal_solver(zoo: Path, root: Path, monkeypatch: pytest.MonkeyPatch,
+                             change: Callable) -> dict[str, dg.AssetCheckEvaluation]:
+    """Materialize with the diagonal solver's T(x) passed through change(tx, anchors) wherever it is
+    called (the stage and the refit audit alike, as a code change would): fits, residuals and the
+    audit then agree with one another, which the test asserts."""
+    import updatelens.fits
+
+    solver = updatelens.fits.LOCAL_FITTERS["diagonal"]
+
+    def changed(X, D, anchors, params):  # type: ignore[no-untyped-def]
+        fit = solver(X, D, anchors, params)
+        return LocalFit(tx=change(fit.tx, anchors), cond=fit.cond)
+
+    monkeypatch.setitem(updatelens.fits.LOCAL_FITTERS, "diagonal", changed)
+    result, _ = run(zoo, root)
+    checks = evaluations(result)
+    assert checks["fits_refit_audit"].passed and checks["residuals_match_fits"].passed
+    return checks
+
+
 def test_a_solver_that_changes_its_answers_fails_the_drift_check(
         zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A second materialization whose diagonal solver returns its update with the wrong sign (a
     regression a code change could bring): its stored fits, residuals and audit agree with one another,
     so only the comparison with the previous materialization's relative errors shows it. Rerun
     unchanged, it passes."""
-    import updatelens.fits
-
     first, _ = run(zoo, tmp_path)
     assert first.success and evaluations(first)["rel_err_drift"].metadata["expectations_evaluated"].value == 0
     again, _ = run(zoo, tmp_path)
     drift = evaluations(again)["rel_err_drift"]
     assert drift.passed and drift.metadata["expectations_evaluated"].value == 2  # diagonal and lowrank compared
-    solver = updatelens.fits.LOCAL_FITTERS["diagonal"]
-
-    def wrong_sign(X, D, anchors, params):  # type: ignore[no-untyped-def]
-        fit = solver(X, D, anchors, params)
-        return LocalFit(tx=anchors - (fit.tx - anchors), cond=fit.cond)
-
-    monkeypatch.setitem(updatelens.fits.LOCAL_FITTERS, "diagonal", wrong_sign)
-    result, _ = run(zoo, tmp_path)
-    checks = evaluations(result)
-    assert checks["fits_refit_audit"].passed and checks["residuals_match_fits"].passed
+    checks = run_with_diagonal_solver(zoo, tmp_path, monkeypatch, lambda tx, anchors: anchors - (tx - anchors))
     assert not checks["rel_err_drift"].passed
     assert "diagonal: relative error quantiles (10/50/90 %) moved from" in checks["rel_err_drift"].description
 
@@ -170,20 +179,12 @@ def test_one_blown_up_fit_fails_its_check(zoo: Path, tmp_path: Path, monkeypatch
     """The diagonal solver returns a huge update for some anchors (what an ill-conditioned neighbourhood
     does): stored fits, residuals and the audit agree; the residual's length against the layer's
     updates shows it and names the tokens."""
-    import updatelens.fits
-
-    solver = updatelens.fits.LOCAL_FITTERS["diagonal"]
-
-    def one_blows_up(X, D, anchors, params):  # type: ignore[no-untyped-def]
-        fit = solver(X, D, anchors, params)
+    def one_blows_up(tx, anchors):  # type: ignore[no-untyped-def]
         # chosen by the anchor's own values, so the audit's re-fit blows up the same anchors
         blown = ((anchors[:, :1] * 1e4).floor() % 7 == 0).to(anchors.dtype)
-        return LocalFit(tx=fit.tx + 1e3 * blown * (fit.tx - anchors), cond=fit.cond)
+        return tx + 1e3 * blown * (tx - anchors)
 
-    monkeypatch.setitem(updatelens.fits.LOCAL_FITTERS, "diagonal", one_blows_up)
-    result, _ = run(zoo, tmp_path)
-    checks = evaluations(result)
-    assert checks["fits_refit_audit"].passed and checks["residuals_match_fits"].passed
+    checks = run_with_diagonal_solver(zoo, tmp_path, monkeypatch, one_blows_up)
     assert not checks["no_blown_up_fits"].passed
     assert "a fit blew up" in checks["no_blown_up_fits"].description
     assert checks["no_blown_up_fits"].metadata["worst_offenders"].value[0]["ratio"] > 10
