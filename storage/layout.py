@@ -55,6 +55,8 @@ ROW_GROUP_ROWS = 8192
 # Fault injection for the crash tests: SIGKILL this process in the middle of writing a partition of
 # this table (after its first row group reached the staging file, before the rename).
 KILL_MID_WRITE_ENV = "UPDATELENS_FAULT_KILL_MID_WRITE"
+KILL_BEFORE_MANIFEST_ENV = "UPDATELENS_FAULT_KILL_BEFORE_MANIFEST"  # data file complete, manifest not written
+KILL_MID_REPLACE_ENV = "UPDATELENS_FAULT_KILL_MID_REPLACE"  # old partition moved aside, new one not in place
 # Files committed last when a folder is published to an object store (readers open these first).
 ENTRY_FILES = ("index.html", PART_FILE, "run.parquet", MANIFEST)  # committed last, the manifest after its file
 # Object-store staging keys older than this are from a crashed writer (no pid to ask there).
@@ -81,6 +83,12 @@ def _fsync_dir(path: Path) -> None:
 def _staging_dir(root: UPath) -> UPath:
     # the pid lets a later run tell an abandoned staging dir (its writer is dead) from a live one
     return root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def _fault(env: str, table_name: str) -> None:
+    """Fault injection for the reliability tests: SIGKILL this process here when $env names the table."""
+    if os.environ.get(env) == table_name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class ParquetSink:
@@ -114,6 +122,7 @@ class ParquetSink:
         self._writer.close()
         with open(self.path, "rb+") as f:
             os.fsync(f.fileno())
+        _fault(KILL_BEFORE_MANIFEST_ENV, self.table_name)
         # the manifest sits beside the file in the same staging folder: it is committed with the data
         write_manifest(self.path, self.table_name, self.rows, self._provenance)
 
@@ -144,6 +153,7 @@ def staged_dir(root: str | Path, final: str | Path) -> Iterator[Path]:
         if final.exists():
             old = root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
             os.rename(final, old)
+            _fault(KILL_MID_REPLACE_ENV, final.parent.parent.name)
         os.rename(staging, final)
         _fsync_dir(final.parent)
         if old is not None:

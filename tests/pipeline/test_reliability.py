@@ -20,7 +20,7 @@ from orchestration.cli import main
 from orchestration.resources import AnalysisSettings, UpdateLensResource
 from orchestration.runner import materialize_model
 from storage import catalog
-from storage.layout import KILL_MID_WRITE_ENV, STAGING, TABLES
+from storage.layout import KILL_BEFORE_MANIFEST_ENV, KILL_MID_REPLACE_ENV, KILL_MID_WRITE_ENV, STAGING, TABLES
 from updatelens.errors import ModelError
 from updatelens.models import locate_blocks
 
@@ -191,6 +191,35 @@ def test_sigkill_mid_write_leaves_nothing_partial_and_the_rerun_completes(zoo: P
     again = cli(args, tmp_path / "home")
     out, _ = again.communicate(timeout=300)
     assert again.returncode == 0 and "every requested partition is up to date" in out
+
+
+def test_sigkill_before_the_manifest_and_mid_replace_leave_only_verified_files(zoo: Path, tmp_path: Path) -> None:
+    """Killed after a data file is complete but before its manifest: the partition never appears.
+    Killed while replacing a partition (the old one moved aside, the new one not yet in place): that
+    partition is absent, never half-old, and its layer is stale. Every file readers see verifies,
+    queries keep answering, and the next run completes."""
+    root = tmp_path / "data"
+    args = ["run", "--registry", str(zoo), "--data-root", str(root), "--model", "tiny-gpt2", *SMALL]
+    killed = cli(args, tmp_path / "home", {KILL_BEFORE_MANIFEST_ENV: "geometry"})
+    killed.communicate(timeout=300)
+    assert killed.returncode == -9
+    assert list((root / STAGING).glob("*/part-0.parquet")) and not (root / "geometry").exists()
+    assert catalog.query(root, "SELECT count(*) AS n FROM damaged_partitions")["n"][0] == 0
+    rerun = cli(args, tmp_path / "home")
+    assert rerun.communicate(timeout=300)[0] and rerun.returncode == 0
+    replaced = cli([*args, "--force"], tmp_path / "home", {KILL_MID_REPLACE_ENV: "geometry"})
+    replaced.communicate(timeout=300)
+    assert replaced.returncode == -9
+    layers = catalog.query(root, "SELECT DISTINCT layer FROM geometry ORDER BY layer")["layer"].to_list()
+    assert len(layers) == 2  # the partition being replaced is absent, the others whole
+    assert catalog.query(root, "SELECT count(*) AS n FROM damaged_partitions")["n"][0] == 0
+    assert catalog.query(root, "SELECT count(*) AS n FROM residuals")["n"][0] == 3 * 2 * 6 * 15
+    final = cli(args, tmp_path / "home")
+    out, _ = final.communicate(timeout=300)
+    assert final.returncode == 0, out
+    assert catalog.query(root, "SELECT count(DISTINCT layer) AS n FROM geometry")["n"][0] == 3
+    assert subprocess.run([sys.executable, "-m", "orchestration.cli", "verify", "--data-root", str(root)],
+                          cwd=REPO, capture_output=True).returncode == 0
 
 
 def test_concurrent_runs_on_two_models_and_on_one_model_while_sql_reads(zoo: Path, tmp_path: Path) -> None:
