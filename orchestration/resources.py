@@ -39,7 +39,7 @@ def _settings_fields() -> dict[str, Any]:
 AnalysisSettings = pydantic.create_model(  # type: ignore[call-overload]
     "AnalysisSettings",
     __base__=dg.Config,
-    __doc__="Every knob of METHOD.md (see updatelens.config.AnalysisConfig); recorded with results.",
+    __doc__="Every knob of the method (docs/method.md) (see updatelens.config.AnalysisConfig); recorded with results.",
     **_settings_fields(),
 )
 

@@ -240,7 +240,7 @@ def build_model_report(root: Path, model: str) -> Report:
                 "corpus slice": [prov["corpus_slice"]], "config id": [config_id], "code version": [prov["code_version"]],
                 "layers": [f"{len(layers)} of {n_layers}"]})),
             "".join(f"<p><i>{html.escape(n)}</i></p>" for n in notes),
-            "<h2>Findings</h2><p>Each of the paper's findings (METHOD.md) measured on this model, on the class with "
+            "<h2>Findings</h2><p>Each of the paper's findings (docs/method.md in the repository) measured on this model, on the class with "
             "the lowest median relative error, with the threshold that decides whether it holds, its 95% bootstrap "
             "interval over sequences (<code>ci_lo</code>, <code>ci_hi</code>) and the verdict the interval "
             "supports: <b>holds</b> or <b>fails</b> when the whole interval is on one side of the threshold, "

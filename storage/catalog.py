@@ -65,7 +65,7 @@ GROUP BY model, layer, fn_class, config_id
 FUNCTIONAL_COLUMNS = ("kl_mean", "kl_median", "spearman_relerr_kl", "spearman_normres_kl",
                       "kl_mean_random_control", "kl_mean_crude_control")
 
-# Findings measured under another convention of METHOD.md than the main one:
+# Findings measured under another convention of docs/method.md than the main one:
 # (finding id, the finding it re-measures, the convention, its setting here, the main setting).
 ALTERNATIVE_MEASURES = (
     ("1 map", "1", "alignment form", "map: cos(y, T(x))", "update: cos(y - x, T(x) - x)"),
@@ -73,7 +73,7 @@ ALTERNATIVE_MEASURES = (
     ("4 norm", "4", "error measure", "‖r‖", "relative error"),
 )
 
-# The paper's findings (METHOD.md), each measured per (model, config, class), with the threshold
+# The paper's findings (docs/method.md), each measured per (model, config, class), with the threshold
 # that decides whether it holds. Plain SQL over per-layer statistics, so a reader can see how every
 # figure is derived. The statistics come once from `layer_summary` and `spectra` (replicate -1: the
 # point estimate) and once per bootstrap resample of the sequences from `layer_replicates`

@@ -1,4 +1,4 @@
-"""The analysis configuration: every knob of METHOD.md, validated, hashed and recorded with results."""
+"""The analysis configuration: every knob of the method (docs/method.md), validated, hashed and recorded with results."""
 
 from __future__ import annotations
 

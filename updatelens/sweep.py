@@ -1,6 +1,6 @@
 """Convention sweeps: the same sample analysed under a grid of configurations, one convention at a time.
 
-Every METHOD.md convention the paper leaves open is a configuration value; a sweep varies one value
+Every convention the paper leaves open (docs/method.md) is a configuration value; a sweep varies one value
 at a time around a baseline (one-at-a-time, not the full cross product, so the cost grows with
 the number of settings, not their product) and yields each configuration's analysis tables per
 layer. The model is loaded and the sample captured once for the whole grid, and each layer's

@@ -10,7 +10,7 @@ with lambda the ridge and P = D D^T (k x k):
             x B F^T W = s * (W^T P W)(W^T X x / (e + lambda)), and the result is a k-vector times D.
 Two k x k x d products (K and P) and two k x k eigenproblems per anchor; the rest is O(k^2 + k d)
 (W^T D, a k x d product, is never formed). lambda = ridge * trace(K) / k = ridge * mean ||x_j||^2
-(METHOD.md's default scale).
+(the default scale of docs/method.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A small nonlinear tokenwise map x -> x + g(x), one per layer (METHOD.md: a local MLP on k
+"""A small nonlinear tokenwise map x -> x + g(x), one per layer (docs/method.md: a local MLP on k
 points is ill-posed). g is a one-hidden-layer GELU network on RMS-normalised inputs, trained with
 Adam on the training folds' tokens (full batch, fixed seed) and evaluated on held-out sequences.
 """
