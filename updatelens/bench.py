@@ -505,16 +505,9 @@ def bench_perturbation(lm: LoadedModel, ids: np.ndarray, states: np.ndarray, bat
 def write_json(records: list[Record], path: Path, scaling: list[ScalingRow] | None = None) -> None:
     """`records` as the list the issue asks for (each with the device it ran on); the scaling
     points go to `scaling.json` beside it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     if scaling is not None:
-        rows = [asdict(r) for r in scaling]
-        tmp = path.with_name("scaling.json.tmp")
-        tmp.write_text(json.dumps(rows, indent=2))
-        tmp.rename(path.with_name("scaling.json"))
-    payload = [asdict(r) for r in records]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.rename(path)
+        write_points_json(scaling, path.with_name("scaling.json"))
+    write_points_json(records, path)
 
 
 def marginal(record: Record, within: float = 0.05) -> bool:
