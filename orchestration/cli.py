@@ -341,15 +341,15 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Every stored partition file checked (Parquet footer); damaged ones listed and, with --repair,
+    """Every stored partition file checked against its manifest; damaged ones listed and, with --repair,
     moved to <root>/_quarantine/ (the next `updatelens run` recomputes them); incomplete layers listed."""
     from orchestration.resources import default_data_root
     from storage import catalog
-    from storage.integrity import find_damage, incomplete_layers, quarantine
-    from storage.layout import SWEEP_TABLES, TABLES
+    from storage.integrity import incomplete_layers, quarantine
+    from storage.layout import TABLES
 
     root = args.data_root or default_data_root()
-    damaged = find_damage(root, TABLES, SWEEP_TABLES)
+    damaged = catalog.verify_root(root).damaged
     for d in damaged:
         print(f"damaged: {d.path}: {d.reason}")
         if args.repair:

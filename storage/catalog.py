@@ -16,6 +16,7 @@ is then not written (its views would only open where that filesystem is register
 from __future__ import annotations
 
 import fcntl
+from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
@@ -351,17 +352,34 @@ def _family_views(con: duckdb.DuckDBPyConnection, good: dict[str, list[str]], ta
     return {t for t in tables if t in good}
 
 
+@dataclass
+class Verified:
+    """The partition files under a root that verify, per family (main tables, sweeps, convergence
+    sizes) and table, and those that do not."""
+
+    main: dict[str, list[str]]
+    sweeps: dict[str, list[str]]
+    convergence: dict[str, list[str]]
+    damaged: list[Damaged]
+
+
+def verify_root(root: str | Path) -> Verified:
+    """Every partition file of every family under the root, checked (storage.integrity)."""
+    main, damaged = scan(root, TABLES)
+    sweeps, sweep_damaged = scan(root, SWEEP_TABLES, f"{SWEEPS}/config=*/")
+    convergence, conv_damaged = scan(root, TABLES, f"{CONVERGENCE}/n_seq=*/")
+    return Verified(main, sweeps, convergence, damaged + sweep_damaged + conv_damaged)
+
+
 def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
     """(Re)create on `con` the views of every table with verified files; drop the others. Files whose
     Parquet footer does not read are left out and listed in `damaged_partitions`."""
     root = as_root(root)
     if not is_local(root):
         con.register_filesystem(root.fs)
-    good, damaged = scan(root, TABLES)
-    swept_files, swept_damaged = scan(root, SWEEP_TABLES, f"{SWEEPS}/config=*/")
-    conv_files, conv_damaged = scan(root, TABLES, f"{CONVERGENCE}/n_seq=*/")
-    present = _family_views(con, good, TABLES, "", MAIN_HIVE)
-    swept = _family_views(con, swept_files, SWEEP_TABLES, "sweep_", SWEEP_HIVE, "* EXCLUDE (config)")
+    verified = verify_root(root)
+    present = _family_views(con, verified.main, TABLES, "", MAIN_HIVE)
+    swept = _family_views(con, verified.sweeps, SWEEP_TABLES, "sweep_", SWEEP_HIVE, "* EXCLUDE (config)")
     if has_sweep_runs(root):
         pattern = sweep_runs_pattern(root).replace("'", "''")
         con.execute(f"CREATE OR REPLACE VIEW sweep_runs AS SELECT * FROM read_parquet('{pattern}', union_by_name = true)")
@@ -369,7 +387,7 @@ def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
         con.execute("DROP VIEW IF EXISTS sweep_runs")
     views = [t for t in TABLES if t in present] + _create_family(con, present, "")
     views += [f"sweep_{t}" for t in SWEEP_TABLES if t in swept] + _create_family(con, swept, "sweep_")
-    conv_files.pop("activations", None)  # the convergence views analyse results, not states
+    conv_files = {t: f for t, f in verified.convergence.items() if t != "activations"}  # results, not states
     converged = _family_views(con, conv_files, TABLES, "conv_", CONV_HIVE, "* EXCLUDE (n_seq)")
     views += [f"conv_{t}" for t in TABLES if t in converged] + _create_family(con, converged, "conv_")
     if "conv_findings_by_class" in views and "conv_geometry_bootstrap" in views:
@@ -382,7 +400,7 @@ def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
         views += ["sweep_runs", "sensitivity"]
     else:
         con.execute("DROP VIEW IF EXISTS sensitivity")
-    con.execute(damaged_view_sql(damaged + swept_damaged + conv_damaged))
+    con.execute(damaged_view_sql(verified.damaged))
     return [*views, "damaged_partitions"]
 
 

@@ -173,12 +173,6 @@ def quarantine(root: str | Path, file: str | Path, relative: str | None = None) 
     return target
 
 
-def find_damage(root: str | Path, tables: tuple[str, ...], sweep_tables: tuple[str, ...]) -> list[Damaged]:
-    """Every partition file under the root that does not verify: main tables, sweeps, convergence."""
-    return [*scan(root, tables)[1], *scan(root, sweep_tables, "sweeps/config=*/")[1],
-            *scan(root, tables, "convergence/n_seq=*/")[1]]
-
-
 def incomplete_layers(root: str | Path, tables: tuple[str, ...]) -> list[tuple[str, int, list[str]]]:
     """(model, layer, missing tables) of every layer with some of its tables stored but not all
     (a deleted partition, or a run that stopped between stages)."""
