@@ -20,7 +20,7 @@ import torch
 from assets.expectations import Expect, Verdict, between, row_count, validate
 from updatelens.analysis import LayerData
 from updatelens.config import AnalysisConfig
-from updatelens.fits import LOCAL_FITTERS, FitParams, LayerFit, fit_local_batched, refit_anchors
+from updatelens.fits import LOCAL_FITTERS, FitParams, LayerFit, fit_local_batched, refit_anchors, torch_dtype
 from updatelens.fits.global_linear import fit_global_linear
 from updatelens.models import LoadedModel
 from updatelens.perturbation import OriginalOutput, Variant, patched_kl
@@ -296,7 +296,6 @@ def refit_audit(parts: Iterable[pa.Table], x: np.ndarray, y: np.ndarray, cfg: An
             picked.setdefault(fn_class, []).append((nb.reshape(len(take), -1), to_matrix(sub["tx"], np.float64)))
     verdict = Verdict()
     params = FitParams(rank=cfg.rank, ridge=cfg.ridge, orthogonal_scale=cfg.orthogonal_scale)
-    dtype = torch.float64 if cfg.fit_dtype == "float64" else torch.float32
     for fn_class in (c for c in cfg.classes if c in LOCAL_FITTERS):
         label = f"refit_audit({fn_class})"
         if fn_class not in picked or sum(len(nb) for nb, _ in picked[fn_class]) != len(rows):
@@ -305,7 +304,7 @@ def refit_audit(parts: Iterable[pa.Table], x: np.ndarray, y: np.ndarray, cfg: An
             continue
         nb = np.concatenate([n for n, _ in picked[fn_class]])
         stored = np.concatenate([t for _, t in picked[fn_class]])
-        ref = refit_anchors(fn_class, x, y, nb, rows, params, dtype)
+        ref = refit_anchors(fn_class, x, y, nb, rows, params, torch_dtype(cfg.fit_dtype))
         err = np.linalg.norm(ref - stored, axis=1) / (np.linalg.norm(ref, axis=1) + 1e-30)
         finite_ref, finite_stored = np.isfinite(ref).all(axis=1), np.isfinite(stored).all(axis=1)
         ok = (finite_ref & finite_stored & (err <= settings.audit_tol)) | (~finite_ref & ~finite_stored)

@@ -34,7 +34,7 @@ LOCAL_FITTERS: dict[str, LocalFitter] = {
 THREADED_CLASSES = frozenset({"lowrank", "orthogonal"})
 
 __all__ = ["LOCAL_FITTERS", "THREADED_CLASSES", "FitParams", "LayerFit", "fit_layer", "fit_local_batched",
-           "refit_anchors"]
+           "refit_anchors", "torch_dtype"]
 
 
 @dataclass
@@ -45,7 +45,8 @@ class LayerFit:
     degenerate: np.ndarray  # [N] bool: non-finite output or cond above max_cond
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a `fit_dtype` setting."""
     return torch.float64 if name == "float64" else torch.float32
 
 
@@ -135,7 +136,7 @@ def fit_layer(fn_class: str, x: np.ndarray, y: np.ndarray, groups: np.ndarray,
               neighbours: np.ndarray | None, cfg: AnalysisConfig) -> LayerFit:
     """T(x) at every kept token of one layer for one class, evaluated out of sample."""
     params = FitParams(rank=cfg.rank, ridge=cfg.ridge, orthogonal_scale=cfg.orthogonal_scale)
-    dtype = _torch_dtype(cfg.fit_dtype)
+    dtype = torch_dtype(cfg.fit_dtype)
     if fn_class in LOCAL_FITTERS:
         assert neighbours is not None, "local classes need neighbours"
         res = fit_local_batched(fn_class, x, y, neighbours, params, dtype, cfg.anchor_chunk, cfg.device)
