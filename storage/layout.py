@@ -151,27 +151,28 @@ def staged_dir(root: str | Path, final: str | Path) -> Iterator[Path]:
         final.parent.mkdir(parents=True, exist_ok=True)
         old = None
         if final.exists():
+            # judged where they stand: the run's staleness check has usually verified them already
+            damaged = {f.name: reason for f in Path(final).glob("*.parquet") if (reason := partition_error(f))}
             old = root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
             os.rename(final, old)
             _fault(KILL_MID_REPLACE_ENV, final.parent.parent.name)
         os.rename(staging, final)
         _fsync_dir(final.parent)
         if old is not None:
-            _keep_damaged(root, old, final)
+            _keep_damaged(root, old, final, damaged)
             shutil.rmtree(old, ignore_errors=True)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _keep_damaged(root: UPath, old: UPath, final: UPath) -> None:
-    """Damaged Parquet files of a replaced partition go to the quarantine, not away with it."""
-    for file in Path(old).glob("*.parquet"):
-        reason = partition_error(file)
-        if reason is not None:
-            relative = f"{str(final).removeprefix(str(root)).lstrip('/')}/{file.name}"
-            where = quarantine(root, file, relative)
-            warnings.warn(f"replaced a damaged partition file ({reason}); kept it at {where}", stacklevel=2)
+def _keep_damaged(root: UPath, old: UPath, final: UPath, damaged: dict[str, str]) -> None:
+    """The damaged files of a replaced partition (name -> reason, judged before it moved to `old`)
+    go to the quarantine, not away with it."""
+    for name, reason in damaged.items():
+        relative = f"{str(final).removeprefix(str(root)).lstrip('/')}/{name}"
+        where = quarantine(root, old / name, relative)
+        warnings.warn(f"replaced a damaged partition file ({reason}); kept it at {where}", stacklevel=2)
 
 
 def publish_dir(root: str | Path, final: str | Path, fill: Callable[[Path], None]) -> UPath:
