@@ -247,9 +247,14 @@ def catalog_path(root: str | Path) -> Path | None:
     return Path(root) / CATALOG_FILE if is_local(root) else None
 
 
+def _sql_string(value: object) -> str:
+    """A SQL string literal (quotes doubled), for view text that cannot take parameters."""
+    return "'" + str(value).replace("'", "''") + "'"
+
+
 def _parquet_view(name: str, files: list[str], hive_types: str, select: str = "*") -> str:
     """A view over an explicit list of verified files (hive keys read from their paths)."""
-    listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+    listed = ", ".join(_sql_string(f) for f in files)
     return (f"CREATE OR REPLACE VIEW {name} AS SELECT {select} FROM read_parquet([{listed}], "
             f"hive_partitioning = true, union_by_name = true, hive_types = {{{hive_types}}})")
 
@@ -264,8 +269,8 @@ def damaged_view_sql(damaged: list[Damaged]) -> str:
     if not damaged:
         return ("CREATE OR REPLACE VIEW damaged_partitions AS SELECT NULL::VARCHAR AS path, NULL::VARCHAR AS "
                 "table_name, NULL::VARCHAR AS model, NULL::INTEGER AS layer, NULL::VARCHAR AS reason WHERE false")
-    rows = ", ".join("(" + ", ".join("'" + str(v).replace("'", "''") + "'" for v in (d.path, d.table, d.model))
-                     + f", {d.layer}, '" + d.reason.replace("'", "''") + "')" for d in damaged)
+    rows = ", ".join(f"({_sql_string(d.path)}, {_sql_string(d.table)}, {_sql_string(d.model)}, {d.layer}, "
+                     f"{_sql_string(d.reason)})" for d in damaged)
     return f"CREATE OR REPLACE VIEW damaged_partitions AS SELECT * FROM (VALUES {rows}) t(path, table_name, model, layer, reason)"
 
 
@@ -381,8 +386,8 @@ def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
     present = _family_views(con, verified.main, TABLES, "", MAIN_HIVE)
     swept = _family_views(con, verified.sweeps, SWEEP_TABLES, "sweep_", SWEEP_HIVE, "* EXCLUDE (config)")
     if has_sweep_runs(root):
-        pattern = sweep_runs_pattern(root).replace("'", "''")
-        con.execute(f"CREATE OR REPLACE VIEW sweep_runs AS SELECT * FROM read_parquet('{pattern}', union_by_name = true)")
+        con.execute(f"CREATE OR REPLACE VIEW sweep_runs AS SELECT * FROM read_parquet("
+                    f"{_sql_string(sweep_runs_pattern(root))}, union_by_name = true)")
     else:
         con.execute("DROP VIEW IF EXISTS sweep_runs")
     views = [t for t in TABLES if t in present] + _create_family(con, present, "")
