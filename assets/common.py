@@ -10,11 +10,11 @@ import dagster as dg
 import polars as pl
 import pyarrow as pa
 
-from assets import checks
-from orchestration.deployments import step_tags
-from orchestration.partitions import MODEL_LAYER, group_keys
-from storage import catalog
-from storage.layout import (
+from updatelens.assets import checks
+from updatelens.assets.routing import MODEL_POOL, step_tags
+from updatelens.assets.partitions import MODEL_LAYER, group_keys
+from updatelens.storage import catalog
+from updatelens.storage.layout import (
     iter_parts,
     partition_file,
     partition_locks,
@@ -22,21 +22,14 @@ from storage.layout import (
     read_seq_range,
     write_partition,
 )
-from storage.location import url
+from updatelens.storage.location import url
 from updatelens import CODE_VERSION
 from updatelens.analysis import LayerData, fits_from_table, layer_data
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
+from updatelens.stages import BY_NAME, upstream
 from updatelens.tables import PROVENANCE_COLUMNS, Provenance
 
-# Groups that read as the pipeline's story in the UI: capture, then decomposition, then analysis.
-GROUPS = {
-    "activations": "capture",
-    "local_fits": "decomposition",
-    "residuals": "decomposition",
-    "geometry": "analysis",
-    "functional_metrics": "analysis",
-}
 
 
 class StaleInputError(RuntimeError):
@@ -115,27 +108,26 @@ class Written:
         self.per_partition.setdefault(f"{model}:{layer:02d}", {}).update(figures)
 
 
-def stage_asset(description: str, kinds: set[str], deps: tuple[object, ...] = (), pool: str | None = None):
-    """The settings every stage shares: (model, layer) partitions, single-run backfills (a model's
-    key range runs in one process), the engine's code version, the stage's checks, and where its
-    step may run (the `model` pool's steps go to GPU workers: orchestration.deployments)."""
-
-    def wrap(fn):  # noqa: ANN001, ANN202 - a decorator
-        return dg.asset(
-            name=fn.__name__,
-            partitions_def=MODEL_LAYER,
-            backfill_policy=dg.BackfillPolicy.single_run(),
-            group_name=GROUPS[fn.__name__],
-            code_version=CODE_VERSION,
-            kinds=kinds,
-            deps=list(deps),
-            pool=pool,
-            op_tags=step_tags(needs_model=pool == "model"),
-            check_specs=checks.specs(fn.__name__),
-            description=description,
-        )(fn)
-
-    return wrap
+def stage_asset(fn):  # noqa: ANN001, ANN201 - a decorator
+    """A stage's asset, from its description in updatelens.stages (the function's name is the
+    stage's): (model, layer) partitions, single-run backfills (a model's key range runs in one
+    process), the engine's code version, the stage's checks, its upstream stage, and where its step
+    may run (a stage that holds the model joins the `model` pool and goes to GPU workers: routing)."""
+    stage = BY_NAME[fn.__name__]
+    before = upstream(stage.name)
+    return dg.asset(
+        name=stage.name,
+        partitions_def=MODEL_LAYER,
+        backfill_policy=dg.BackfillPolicy.single_run(),
+        group_name=stage.group,
+        code_version=CODE_VERSION,
+        kinds=set(stage.kinds),
+        deps=[dg.AssetKey(before.name)] if before else [],
+        pool=MODEL_POOL if stage.needs_model else None,
+        op_tags=step_tags(needs_model=stage.needs_model),
+        check_specs=checks.specs(stage.name),
+        description=stage.description,
+    )(fn)
 
 
 def frame_table(frame: pl.DataFrame) -> dg.TableMetadataValue:

@@ -8,6 +8,7 @@ AssetCheckResults, and a notebook can call `validate` on any frame.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -58,7 +59,10 @@ def _batch_definition() -> Any:
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
+    # usage analytics off, as Dagster's telemetry is (GX reads GX_ANALYTICS_ENABLED when unset in config)
+    os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
     context = gx.get_context(mode="ephemeral")
+    context.config.analytics_enabled = False
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
     source = context.data_sources.add_pandas("updatelens")
     asset = source.add_dataframe_asset("partition")

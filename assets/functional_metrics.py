@@ -9,13 +9,11 @@ its partitions (row groups in sequence order) and only the per-token KL stays in
 """
 
 import dagster as dg
-import numpy as np
 
-from assets import checks
-from assets.common import Written, check_upstream, each_model, finish, provenance_from, stage_asset
-from assets.geometry import geometry
-from orchestration.resources import UpdateLensResource
-from storage.layout import partition_file, read_partition_columns, read_seq_range
+from updatelens.assets import checks
+from updatelens.assets.common import Written, check_upstream, each_model, finish, provenance_from, stage_asset
+from updatelens.assets.resources import UpdateLensResource
+from updatelens.storage.layout import partition_file, read_partition_columns, read_seq_range
 from updatelens.analysis import (
     FunctionalRows,
     fits_from_table,
@@ -29,14 +27,7 @@ from updatelens.capture import block_output_is_tuple
 from updatelens.perturbation import original_output
 
 
-@stage_asset(
-    "Per token KL of the next-token distribution when block l's output is replaced by "
-    "T(h_l) (residual removed), plus random-direction and cruder-class controls; per layer "
-    "Spearman(error, KL) in table `functional_summary`.",
-    kinds={"pytorch", "parquet"},
-    deps=(geometry,),
-    pool="model",
-)
+@stage_asset
 def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
     written = Written()

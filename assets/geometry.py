@@ -6,8 +6,8 @@ per-token geometry block by block; memory holds a block whatever the sample size
 
 import dagster as dg
 
-from assets import checks
-from assets.common import (
+from updatelens.assets import checks
+from updatelens.assets.common import (
     Written,
     check_upstream,
     each_model,
@@ -17,19 +17,12 @@ from assets.common import (
     seq_blocks,
     stage_asset,
 )
-from assets.residuals import residuals
-from orchestration.resources import UpdateLensResource
-from storage.layout import partition_file, partition_writer, read_partition_columns
+from updatelens.assets.resources import UpdateLensResource
+from updatelens.storage.layout import partition_file, partition_writer, read_partition_columns
 from updatelens.analysis import LayerGeometry
 
 
-@stage_asset(
-    "Per token: cosines and angles between Δ_full, Δ_tok and r (update and map forms), "
-    "projection energies on the top-m tokenwise subspace; per layer: singular spectra "
-    "(table `spectra`) and the findings' statistics on bootstrap resamples (`geometry_bootstrap`).",
-    kinds={"parquet"},
-    deps=(residuals,),
-)
+@stage_asset
 def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
     written = Written()

@@ -6,21 +6,15 @@ the partition is written class by class in row groups."""
 import dagster as dg
 import numpy as np
 
-from assets import checks
-from assets.activations import activations
-from assets.common import Written, check_upstream, each_model, finish, provenance_from, stage_asset
-from orchestration.resources import UpdateLensResource
-from storage.layout import iter_parts, partition_file, partition_writer, read_partition_columns
+from updatelens.assets import checks
+from updatelens.assets.common import Written, check_upstream, each_model, finish, provenance_from, stage_asset
+from updatelens.assets.resources import UpdateLensResource
+from updatelens.storage.layout import iter_parts, partition_file, partition_writer, read_partition_columns
 from updatelens.analysis import fit_row_parts, layer_neighbours, transition_from_parts
 from updatelens.fits import fit_layer
 
 
-@stage_asset(
-    "T(x) at every kept token for each function class, fitted on the token's k nearest "
-    "neighbours (other sequences) and evaluated out of sample; fit condition numbers.",
-    kinds={"faiss", "parquet"},
-    deps=(activations,),
-)
+@stage_asset
 def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
     written = Written()

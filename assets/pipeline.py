@@ -1,13 +1,16 @@
-"""The asset lists the code location, the runner and the tests assemble from."""
+"""The asset lists the code location, the runner and the tests assemble from.
+
+The stage assets are found from their description (updatelens.stages): stage `name` is the asset
+function `name` of module `updatelens.assets.<name>`.
+"""
 
 from __future__ import annotations
 
-from assets.activations import activations
-from assets.functional_metrics import functional_metrics
-from assets.geometry import geometry
-from assets.local_fits import local_fits
-from assets.reports import comparison_report, convention_sweep, report
-from assets.residuals import residuals
+import importlib
 
-ASSETS = [activations, local_fits, residuals, geometry, functional_metrics]  # per (model, layer), in order
+from updatelens.assets.reports import comparison_report, convention_sweep, report
+from updatelens.stages import STAGES
+
+# per (model, layer), in the pipeline's order
+ASSETS = [getattr(importlib.import_module(f"updatelens.assets.{stage.name}"), stage.name) for stage in STAGES]
 PER_MODEL_ASSETS = [report, convention_sweep, comparison_report]

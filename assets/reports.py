@@ -11,19 +11,20 @@ import json
 import dagster as dg
 import polars as pl
 
-from assets.common import md_table
-from assets.functional_metrics import functional_metrics
-from orchestration.partitions import MODELS
-from orchestration.resources import UpdateLensResource
-from reports.build import (
+from updatelens.assets.common import md_table
+from updatelens.assets.functional_metrics import functional_metrics
+from updatelens.assets.partitions import MODELS
+from updatelens.assets.routing import MODEL_POOL
+from updatelens.assets.resources import UpdateLensResource
+from updatelens.reports.build import (
     COMPARISON_FIGURES,
     MODEL_FIGURES,
     Report,
     build_comparison,
     build_model_report,
 )
-from storage import catalog
-from storage.layout import (
+from updatelens.storage import catalog
+from updatelens.storage.layout import (
     SWEEP_TABLES,
     clear_sweeps,
     model_lock,
@@ -31,7 +32,7 @@ from storage.layout import (
     write_partition,
     write_sweep_run,
 )
-from storage.location import url
+from updatelens.storage.location import url
 from updatelens import CODE_VERSION
 from updatelens.sweep import (
     DEFAULT_GRID,
@@ -126,7 +127,7 @@ class SweepConfig(dg.Config):
     group_name="reports",
     kinds={"pytorch", "parquet"},
     code_version=CODE_VERSION,
-    pool="model",
+    pool=MODEL_POOL,
     description="Convention sweep: the model's sample analysed under a grid of configurations (neighbour "
                 "exclusion, k, rank, class by default), each stored under its config id in "
                 "`<data root>/sweeps/config=<id>/`; SQL views `sweep_findings` and `sensitivity`. A rerun "

@@ -7,8 +7,8 @@ import numpy as np
 import pyarrow.compute as pc
 from upath import UPath
 
-from assets import checks
-from assets.common import (
+from updatelens.assets import checks
+from updatelens.assets.common import (
     Written,
     check_upstream,
     each_model,
@@ -18,21 +18,15 @@ from assets.common import (
     seq_blocks,
     stage_asset,
 )
-from assets.local_fits import local_fits
-from orchestration.resources import UpdateLensResource
-from storage.integrity import partition_error
-from storage.layout import partition_file, partition_writer, read_partition_columns
+from updatelens.assets.resources import UpdateLensResource
+from updatelens.storage.integrity import partition_error
+from updatelens.storage.layout import partition_file, partition_writer, read_partition_columns
 from updatelens.analysis import residuals_table
 
 SCALARS = ["fn_class", "seq", "pos", "rel_err", "norm_full", "norm_tok", "norm_res"]
 
 
-@stage_asset(
-    "Residual r = y - T(x) per token and class, with ||Δ_full||, ||Δ_tok||, ||r|| and the "
-    "relative error ||r|| / ||Δ_full||.",
-    kinds={"parquet"},
-    deps=(local_fits,),
-)
+@stage_asset
 def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
     written = Written()

@@ -16,7 +16,8 @@ from dagster_celery.make_app import make_app
 from dagster_celery.tasks import create_execute_job_task, create_resume_job_task, create_task
 from kombu import Exchange, Queue
 
-from orchestration.deployments import CPU_QUEUE, GPU_QUEUE, celery_config
+from updatelens.orchestration.deployments import celery_config
+from updatelens.assets.routing import CPU_QUEUE, GPU_QUEUE
 
 QUEUES = (GPU_QUEUE, CPU_QUEUE, "dagster")
 

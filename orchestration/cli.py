@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import dagster as dg
 
-    from orchestration.resources import UpdateLensResource
+    from updatelens.assets.resources import UpdateLensResource
 
 SUMMARY_SQL = """
 SELECT layer, fn_class, n_tokens,
@@ -78,8 +78,8 @@ def _print_frame(frame: object) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     import dagster as dg
 
-    from orchestration.deployments import PROFILE_ENV, active_profile
-    from orchestration.runner import (
+    from updatelens.orchestration.deployments import PROFILE_ENV, active_profile
+    from updatelens.orchestration.runner import (
         check_inputs,
         check_verdicts,
         contiguous_ranges,
@@ -89,7 +89,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         project_dagster_home,
         stale_layers,
     )
-    from storage import catalog
+    from updatelens.storage import catalog
     from updatelens.config import preset_layers
     from updatelens.errors import UpdateLensError
 
@@ -155,14 +155,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """A Celery worker for the `celery` profile (replaces this process)."""
+    import importlib.util
     import socket
 
-    from orchestration.deployments import PROFILE_ENV
+    from updatelens.errors import ConfigError
+    from updatelens.orchestration.deployments import PROFILE_ENV
+
+    if importlib.util.find_spec("dagster_celery") is None:
+        raise ConfigError("the celery profile needs dagster-celery: pip install 'updatelens[celery]'")
 
     os.environ[PROFILE_ENV] = "celery"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     name = args.name or f"{args.queues.replace(',', '-')}-{os.getpid()}@{socket.gethostname()}"
-    cmd = ["celery", "-A", "orchestration.celery_app", "worker", "-Q", args.queues, "-n", name,
+    cmd = [sys.executable, "-m", "celery", "-A", "updatelens.orchestration.celery_app", "worker", "-Q", args.queues, "-n", name,
            "--prefetch-multiplier", "1", "-l", args.loglevel]
     cmd += ["--pool", "solo"] if args.concurrency == 1 else ["--concurrency", str(args.concurrency)]
     print(" ".join(cmd), flush=True)
@@ -172,9 +177,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterInstance) -> int:
     """Materialize the models' reports and the comparison; print where they are."""
-    from orchestration.runner import failure_message, materialize_reports
-    from reports.build import COMPARISON, reports_root
-    from storage import catalog
+    from updatelens.orchestration.runner import failure_message, materialize_reports
+    from updatelens.reports.build import COMPARISON, reports_root
+    from updatelens.storage import catalog
 
     results = materialize_reports(models, lens, instance, raise_on_error=False)
     for result in results:
@@ -193,8 +198,8 @@ def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterIn
 
 
 def _lens_from(args: argparse.Namespace) -> UpdateLensResource:
-    from orchestration.resources import AnalysisSettings, UpdateLensResource
-    from storage.location import is_url
+    from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+    from updatelens.storage.location import is_url
 
     kwargs: dict[str, object] = {}
     if getattr(args, "corpus", None):
@@ -210,9 +215,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Rebuild reports from stored results: no model is loaded, nothing is recomputed."""
     import dagster as dg
 
-    from orchestration.runner import project_dagster_home
-    from storage import catalog
-    from storage.layout import has_files
+    from updatelens.orchestration.runner import project_dagster_home
+    from updatelens.storage import catalog
+    from updatelens.storage.layout import has_files
 
     os.environ["DAGSTER_HOME"] = str(project_dagster_home())
     lens = _lens_from(args)
@@ -234,14 +239,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """A convention sweep for one model; then its report (with the sensitivity table)."""
     import dagster as dg
 
-    from orchestration.runner import (
+    from updatelens.orchestration.runner import (
         check_inputs,
         failure_message,
         materialize_sweep,
         project_dagster_home,
     )
-    from storage import catalog
-    from storage.layout import has_model
+    from updatelens.storage import catalog
+    from updatelens.storage.layout import has_model
     from updatelens.errors import UpdateLensError
     from updatelens.sweep import DEFAULT_GRID, parse_grid, sweep_baseline, sweep_runs
 
@@ -282,8 +287,8 @@ def cmd_converge(args: argparse.Namespace) -> int:
     the `convergence` view shows every finding at every size with its interval."""
     import dagster as dg
 
-    from orchestration.convergence import convergence_table, plan_convergence, run_convergence
-    from orchestration.runner import project_dagster_home
+    from updatelens.orchestration.convergence import convergence_table, plan_convergence, run_convergence
+    from updatelens.orchestration.runner import project_dagster_home
     from updatelens.errors import UpdateLensError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -327,8 +332,8 @@ def _peak_rss_gib() -> float:
 def cmd_sql(args: argparse.Namespace) -> int:
     import duckdb
 
-    from orchestration.resources import default_data_root
-    from storage import catalog
+    from updatelens.assets.resources import default_data_root
+    from updatelens.storage import catalog
 
     root = args.data_root or default_data_root()
     try:
@@ -343,10 +348,10 @@ def cmd_sql(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Every stored partition file checked against its manifest; damaged ones listed and, with --repair,
     moved to <root>/_quarantine/ (the next `updatelens run` recomputes them); incomplete layers listed."""
-    from orchestration.resources import default_data_root
-    from storage import catalog
-    from storage.integrity import incomplete_layers, quarantine
-    from storage.layout import TABLES
+    from updatelens.assets.resources import default_data_root
+    from updatelens.storage import catalog
+    from updatelens.storage.integrity import incomplete_layers, quarantine
+    from updatelens.storage.layout import TABLES
 
     root = args.data_root or default_data_root()
     damaged = catalog.verify_root(root).damaged
@@ -371,14 +376,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    from orchestration.runner import project_dagster_home
+    from updatelens.orchestration.runner import project_dagster_home
 
-    repo = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, DAGSTER_HOME=str(project_dagster_home(repo)), HF_HUB_OFFLINE="1")
-    cmd = ["dagster", "dev", "-w", str(repo / "workspace.yaml"), "-h", args.host, "-p", str(args.port)]
+    env = dict(os.environ, DAGSTER_HOME=str(project_dagster_home()), HF_HUB_OFFLINE="1")
+    # the code location by module (what workspace.yaml names): works from any directory, installed or not
+    cmd = [sys.executable, "-m", "dagster", "dev", "-m", "updatelens.orchestration.definitions", "-h", args.host, "-p", str(args.port)]
     print(f"Dagster UI on http://{args.host}:{args.port} (DAGSTER_HOME={env['DAGSTER_HOME']})", flush=True)
     # restore default signal handling so SIGTERM stops the server even when started with `&`
-    proc = subprocess.Popen(cmd, cwd=repo, env=env, preexec_fn=lambda: (
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: (
         signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)))
 
     def forward(signum: int, _frame: object) -> None:
@@ -396,7 +401,7 @@ def _pipeline_run(layers: str, root: Path, home: Path, device: str = "cpu",
 
     env = dict(os.environ, DAGSTER_HOME=str(home), HF_HUB_OFFLINE="1")
     extra = [arg for setting in settings for arg in ("--set", setting)]
-    out = subprocess.run([sys.executable, "-m", "orchestration.cli", "run", "--layers", layers, "--force",
+    out = subprocess.run([sys.executable, "-m", "updatelens.orchestration.cli", "run", "--layers", layers, "--force",
                           "--data-root", str(root), "--set", f"device={device}", *extra],
                          env=env, capture_output=True, text=True, check=True).stdout
     match = re.search(r"pipeline wall time ([0-9.]+) s, peak RSS ([0-9.]+) GiB", out)
@@ -412,8 +417,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from orchestration.resources import default_data_root
-    from storage.location import is_url
+    from updatelens.assets.resources import default_data_root
+    from updatelens.storage.location import is_url
     from updatelens import bench
     from updatelens.capture import capture, kept_mask
     from updatelens.config import AnalysisConfig
@@ -517,7 +522,7 @@ def _bench_scale(args: argparse.Namespace, root: Path) -> int:
     study of that layer (SQL view `convergence` over the bench's data root)."""
     import tempfile
 
-    from storage.layout import convergence_root
+    from updatelens.storage.layout import convergence_root
     from updatelens import bench
     from updatelens.config import PRESETS
 
@@ -538,7 +543,7 @@ def _bench_scale(args: argparse.Namespace, root: Path) -> int:
     bench.write_points_json(points, root / "bench" / "scale.json")
     bench.write_json(records, root / "bench" / "bench_scale.json")
     print(f"\nwritten {root / 'bench' / 'scale.json'} and bench_scale.json")
-    from storage import catalog
+    from updatelens.storage import catalog
 
     catalog.refresh(root)
     print(f"\nThe runs as a convergence study of layer {args.scale_layer} (SQL view convergence):")

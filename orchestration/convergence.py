@@ -10,18 +10,18 @@ from dataclasses import dataclass
 import dagster as dg
 import polars as pl
 
-from assets.common import frame_table
-from orchestration.resources import AnalysisSettings, UpdateLensResource
-from orchestration.runner import (
+from updatelens.assets.common import frame_table
+from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.orchestration.runner import (
     check_inputs,
     contiguous_ranges,
     failure_message,
     materialize_model,
     stale_layers,
 )
-from storage import catalog
-from storage.layout import convergence_root
-from storage.location import url
+from updatelens.storage import catalog
+from updatelens.storage.layout import convergence_root
+from updatelens.storage.location import url
 from updatelens.config import preset_layers
 from updatelens.errors import ConfigError
 from updatelens.preflight import Preflight

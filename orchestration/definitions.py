@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets.pipeline import ASSETS, PER_MODEL_ASSETS
-from orchestration.deployments import Profile, active_profile, executor_for
-from orchestration.jobs import JOBS
-from orchestration.resources import UpdateLensResource
-from orchestration.schedules import stale_partitions_schedule
-from orchestration.sensors import model_registry_sensor, reports_after_analysis
+from updatelens.assets.pipeline import ASSETS, PER_MODEL_ASSETS
+from updatelens.orchestration.deployments import Profile, active_profile, executor_for
+from updatelens.orchestration.jobs import JOBS
+from updatelens.assets.resources import UpdateLensResource
+from updatelens.orchestration.schedules import stale_partitions_schedule
+from updatelens.orchestration.sensors import model_registry_sensor, reports_after_analysis
 
 __all__ = ["ASSETS", "build_defs", "defs"]
 

@@ -14,7 +14,7 @@ build the same Definitions:
 - `k8s`     dagster-k8s's `k8s_job_executor`: each step a Kubernetes Job; the model steps
             request a GPU (`nvidia.com/gpu: 1`), the light ones only CPU and memory.
 
-The routing is declared once, on the assets (`step_tags`): a Celery queue tag and a Kubernetes
+The routing is declared once, on the assets (`assets/routing.step_tags`): a Celery queue tag and a Kubernetes
 resource request per step, which each executor reads and the others ignore.
 """
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import dagster as dg
 
+
 from updatelens.errors import ConfigError
 
 PROFILE_ENV = "UPDATELENS_PROFILE"
@@ -32,10 +33,6 @@ BROKER_ENV = "UPDATELENS_CELERY_BROKER"
 BACKEND_ENV = "UPDATELENS_CELERY_BACKEND"
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 DEFAULT_BACKEND = "redis://127.0.0.1:6379/1"
-GPU_QUEUE = "gpu"
-CPU_QUEUE = "cpu"
-CELERY_QUEUE_TAG = "dagster-celery/queue"  # dagster_celery.tags.DAGSTER_CELERY_QUEUE_TAG
-K8S_CONFIG_TAG = "dagster-k8s/config"  # dagster_k8s.job.USER_DEFINED_K8S_CONFIG_KEY
 # Environment every step needs wherever it runs: where the data lives and how to reach it.
 FORWARDED_ENV = ("UPDATELENS_DATA", "UPDATELENS_STORAGE_OPTIONS", "UPDATELENS_PROFILE", "HF_HUB_OFFLINE",
                  "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
@@ -62,23 +59,12 @@ def active_profile(name: str | None = None) -> Profile:
     return PROFILES[chosen]
 
 
-def step_tags(needs_model: bool) -> dict[str, object]:
-    """Where a step may run: the Celery queue, and the Kubernetes resources of its pod."""
-    if needs_model:
-        resources = {"requests": {"cpu": "2", "memory": "16Gi", "nvidia.com/gpu": "1"},
-                     "limits": {"memory": "32Gi", "nvidia.com/gpu": "1"}}
-    else:
-        resources = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}}
-    return {CELERY_QUEUE_TAG: GPU_QUEUE if needs_model else CPU_QUEUE,
-            K8S_CONFIG_TAG: {"container_config": {"resources": resources}}}
-
-
 def celery_config() -> dict[str, object]:
     """The celery executor's config; the workers' app (orchestration.celery_app) reads the same."""
     return {
         "broker": os.environ.get(BROKER_ENV, DEFAULT_BROKER),
         "backend": os.environ.get(BACKEND_ENV, DEFAULT_BACKEND),
-        "include": ["orchestration.definitions"],
+        "include": ["updatelens.orchestration.definitions"],
         # a worker takes one step at a time (a model step holds a whole model in memory); a step
         # is acknowledged when done, so a worker lost mid-step hands it to another, after Redis's
         # visibility timeout, raised to 12 h so that a long step is never handed out twice

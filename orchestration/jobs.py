@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets.common import GROUPS
-from orchestration.convergence import converge_job
-from orchestration.partitions import MODEL_LAYER, MODELS
+from updatelens.orchestration.convergence import converge_job
+from updatelens.assets.partitions import MODEL_LAYER, MODELS
+from updatelens.stages import STAGE_NAMES
 
-STAGES = tuple(GROUPS)  # activations, local_fits, residuals, geometry, functional_metrics
 
 # Everything for the selected (model, layer) partitions: select a model's key range to run it whole.
 analyse_job = dg.define_asset_job(
     "analyse",
-    selection=dg.AssetSelection.assets(*STAGES),
+    selection=dg.AssetSelection.assets(*STAGE_NAMES),
     partitions_def=MODEL_LAYER,
     description="All five stages for the selected partitions (a model's key range runs it whole).",
 )
@@ -22,7 +21,7 @@ analyse_job = dg.define_asset_job(
 stage_jobs = [
     dg.define_asset_job(f"stage_{stage}", selection=dg.AssetSelection.assets(stage), partitions_def=MODEL_LAYER,
                         description=f"Only `{stage}`, for the selected partitions (its inputs must exist).")
-    for stage in STAGES
+    for stage in STAGE_NAMES
 ]
 
 

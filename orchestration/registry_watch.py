@@ -12,10 +12,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestration.partitions import model_keys
-from storage.integrity import partition_error
-from storage.layout import TABLES, partition_file, read_file
+from updatelens.assets.partitions import model_keys
+from updatelens.storage.integrity import partition_error
+from updatelens.storage.layout import TABLES, partition_file, read_file
 from updatelens.registry import ModelEntry, load_models
+from updatelens.stages import LAST_TABLE
 
 
 def fingerprint(entry: ModelEntry) -> str:
@@ -38,7 +39,6 @@ def registry_changes(registry: Path, cursor: str | None) -> RegistryChanges:
     return RegistryChanges(added=added, removed=removed, cursor=json.dumps(now, sort_keys=True))
 
 
-LAST_TABLE = "functional_bootstrap"  # written by the last stage: present only if the whole chain ran
 
 
 def partition_state(root: Path, model: str, layer: int) -> tuple[str, str] | None:

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.reports import comparison_report, convention_sweep, report
-from assets.pipeline import ASSETS
-from orchestration.deployments import active_profile
-from orchestration.partitions import (
+from updatelens.assets.reports import comparison_report, convention_sweep, report
+from updatelens.assets.pipeline import ASSETS
+from updatelens.orchestration.deployments import active_profile
+from updatelens.assets.partitions import (
     MODEL_LAYER,
     MODELS,
     model_keys,
     parse_key,
     range_tags,
 )
-from orchestration.registry_watch import stale_keys
-from orchestration.resources import UpdateLensResource
+from updatelens.orchestration.registry_watch import stale_keys
+from updatelens.assets.resources import UpdateLensResource
 from updatelens import CODE_VERSION
 from updatelens.errors import ConfigError
 from updatelens.preflight import Preflight, preflight
@@ -143,7 +143,7 @@ def analyse_job() -> dg.JobDefinition:
     """The `analyse` job under the profile of $UPDATELENS_PROFILE, as a reconstructable target: a
     distributed executor ships this pointer (module + function) to its workers, which build the
     same definitions from the same environment."""
-    from orchestration.definitions import build_defs
+    from updatelens.orchestration.definitions import build_defs
 
     return build_defs(active_profile()).resolve_job_def("analyse")
 

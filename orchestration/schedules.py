@@ -7,10 +7,10 @@ from pathlib import Path
 
 import dagster as dg
 
-from orchestration.jobs import analyse_job
-from orchestration.partitions import MODEL_LAYER, parse_key
-from orchestration.resources import UpdateLensResource
-from orchestration.sensors import stale_run_requests
+from updatelens.orchestration.jobs import analyse_job
+from updatelens.assets.partitions import MODEL_LAYER, parse_key
+from updatelens.assets.resources import UpdateLensResource
+from updatelens.orchestration.sensors import stale_run_requests
 from updatelens.registry import load_models
 
 RERUN_CRON = os.environ.get("UPDATELENS_RERUN_CRON", "0 3 * * 0")  # weekly, Sunday 03:00

@@ -10,17 +10,17 @@ from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_START_TAG,
 )
 
-from orchestration.deployments import active_profile
-from orchestration.jobs import analyse_job, comparison_job, report_job
-from orchestration.partitions import (
+from updatelens.orchestration.deployments import active_profile
+from updatelens.orchestration.jobs import analyse_job, comparison_job, report_job
+from updatelens.assets.partitions import (
     MODEL_LAYER,
     MODELS,
     model_keys,
     parse_key,
     range_tags,
 )
-from orchestration.registry_watch import fingerprint, registry_changes, stale_keys
-from orchestration.resources import UpdateLensResource
+from updatelens.orchestration.registry_watch import fingerprint, registry_changes, stale_keys
+from updatelens.assets.resources import UpdateLensResource
 from updatelens import CODE_VERSION
 from updatelens.errors import UpdateLensError
 from updatelens.models import read_depth

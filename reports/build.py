@@ -20,11 +20,11 @@ import polars as pl
 from matplotlib.figure import Figure
 from upath import UPath
 
-from reports import figures as fig
-from storage import catalog
-from storage.integrity import incomplete_layers
-from storage.layout import TABLES, publish_dir
-from storage.location import as_root
+from updatelens.reports import figures as fig
+from updatelens.storage import catalog
+from updatelens.storage.integrity import incomplete_layers
+from updatelens.storage.layout import TABLES, publish_dir
+from updatelens.storage.location import as_root
 from updatelens.errors import UpdateLensError
 
 REPORTS = "reports"

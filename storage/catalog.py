@@ -22,9 +22,9 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from storage.integrity import Damaged, scan
-from storage.layout import CONVERGENCE, SWEEPS, SWEEP_TABLES, TABLES, has_sweep_runs, sweep_runs_pattern
-from storage.location import as_root, is_local
+from updatelens.storage.integrity import Damaged, scan
+from updatelens.storage.layout import CONVERGENCE, SWEEPS, SWEEP_TABLES, TABLES, has_sweep_runs, sweep_runs_pattern
+from updatelens.storage.location import as_root, is_local
 
 CATALOG_FILE = "updatelens.duckdb"
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from upath import UPath
 
-from storage.location import as_root, is_local, url
+from updatelens.storage.location import as_root, is_local, url
 
 QUARANTINE = "_quarantine"
 MANIFEST = "manifest.json"

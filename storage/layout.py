@@ -36,18 +36,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from upath import UPath
 
-from storage.integrity import MANIFEST, partition_error, quarantine, write_manifest
-from storage.location import as_root, is_local, url
+from updatelens.stages import TABLES_BY_STAGE
+from updatelens.storage.integrity import MANIFEST, partition_error, quarantine, write_manifest
+from updatelens.storage.location import as_root, is_local, url
 
-# Every table the pipeline writes, by the asset that writes it.
-TABLES_BY_ASSET: dict[str, tuple[str, ...]] = {
-    "activations": ("activations",),
-    "local_fits": ("local_fits",),
-    "residuals": ("residuals",),
-    "geometry": ("geometry", "spectra", "geometry_bootstrap"),
-    "functional_metrics": ("functional_metrics", "functional_summary", "functional_bootstrap"),
-}
-TABLES: tuple[str, ...] = tuple(t for ts in TABLES_BY_ASSET.values() for t in ts)
+# Every table the pipeline writes, in the stages' order (which stage writes which: updatelens.stages).
+TABLES: tuple[str, ...] = tuple(t for ts in TABLES_BY_STAGE.values() for t in ts)
 STAGING = "_staging"
 LOCKS = "_locks"
 PART_FILE = "part-0.parquet"

@@ -62,7 +62,7 @@ def as_root(root: str | os.PathLike[str]) -> UPath:
         fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as exc:
         raise ConfigError(f"data root {text}: no filesystem for {protocol}:// ({exc}); install its fsspec "
-                          f"implementation (s3fs for s3://)") from exc
+                          f"implementation (s3://: pip install 'updatelens[s3]')") from exc
     return UPath(text, **storage_options(protocol))
 
 

@@ -111,7 +111,7 @@ def celery_worker(name: str, queues: list[str], env: dict[str, str], workdir: Pa
     """A Celery worker of orchestration.celery_app on the given queues, one task at a time (solo
     pool), exactly as the deployment guide starts one."""
     log = workdir / f"{name}.log"
-    cmd = ["celery", "-A", "orchestration.celery_app", "worker", "-Q", ",".join(queues), "-n", f"{name}@%h",
+    cmd = [sys.executable, "-m", "celery", "-A", "updatelens.orchestration.celery_app", "worker", "-Q", ",".join(queues), "-n", f"{name}@%h",
            "--pool", "solo", "--prefetch-multiplier", "1", "-l", "INFO"]
     with _service(cmd, log, f"celery worker {name}", lambda: "ready." in log.read_text(), env=env, timeout=120,
                   cwd=REPO):

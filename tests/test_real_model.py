@@ -18,12 +18,12 @@ from updatelens.config import AnalysisConfig
 from updatelens.corpus import make_sample
 from updatelens.models import load_model
 from updatelens.perturbation import Variant, original_output, patched_kl
-from updatelens.registry import DEFAULT_REGISTRY, get_corpus, get_model
+from updatelens.registry import REPO_REGISTRY, get_corpus, get_model
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_model(get_model("smollm2-135m", DEFAULT_REGISTRY))
+    return load_model(get_model("smollm2-135m", REPO_REGISTRY))
 
 
 def test_smollm2_loads_with_its_real_depth(smollm2) -> None:
@@ -31,7 +31,7 @@ def test_smollm2_loads_with_its_real_depth(smollm2) -> None:
 
 
 def test_smollm2_capture_and_identity_patch(smollm2) -> None:
-    sample = make_sample(get_corpus("wiki-embedded", DEFAULT_REGISTRY), smollm2.tokenizer, 2, 32)
+    sample = make_sample(get_corpus("wiki-embedded", REPO_REGISTRY), smollm2.tokenizer, 2, 32)
     cap = capture(smollm2, sample.input_ids, sample.attention_mask, batch_size=2)
     with torch.inference_mode():
         hs = smollm2.model(input_ids=torch.as_tensor(sample.input_ids), output_hidden_states=True).hidden_states
@@ -44,7 +44,7 @@ def test_smollm2_capture_and_identity_patch(smollm2) -> None:
 
 
 def test_smollm2_lowrank_explains_more_than_diagonal_in_middle_layers(smollm2) -> None:
-    sample = make_sample(get_corpus("wiki-embedded", DEFAULT_REGISTRY), smollm2.tokenizer, 8, 64)
+    sample = make_sample(get_corpus("wiki-embedded", REPO_REGISTRY), smollm2.tokenizer, 8, 64)
     cfg = AnalysisConfig(n_seq=8, seq_len=64, k=32, controls=("random",))
     (result,) = list(analyse_model(smollm2, sample, cfg, layers=[15]))
     geo = result.tables["geometry"]

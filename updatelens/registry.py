@@ -40,7 +40,10 @@ from updatelens.errors import RegistryError
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MODEL_SOURCES = ("embedded", "local", "hub")
 CORPUS_SOURCES = ("embedded", "text", "hub")
-DEFAULT_REGISTRY = Path(__file__).resolve().parent.parent / "registry" / "registry.toml"
+# The repository's registry (the file users edit; the registry sensor watches it) where the package
+# runs from a checkout; an installed package falls back to the copy it carries (the embedded entries).
+REPO_REGISTRY = Path(__file__).resolve().parent.parent / "registry" / "registry.toml"
+PACKAGED_REGISTRY = Path(__file__).resolve().parent / "default_registry.toml"
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,9 @@ class CorpusEntry:
 
 
 def registry_path() -> Path:
-    return Path(os.environ.get("UPDATELENS_REGISTRY", str(DEFAULT_REGISTRY)))
+    if os.environ.get("UPDATELENS_REGISTRY"):
+        return Path(os.environ["UPDATELENS_REGISTRY"])
+    return REPO_REGISTRY if REPO_REGISTRY.exists() else PACKAGED_REGISTRY
 
 
 def _load(path: Path | str) -> dict[str, dict[str, dict[str, str]]]:

@@ -13,15 +13,16 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import assets.activations
-import assets.functional_metrics
-import assets.local_fits
-import assets.residuals
-from assets.checks import CheckSettings
-from orchestration.definitions import ASSETS
-from orchestration.partitions import model_keys
-from orchestration.resources import AnalysisSettings, UpdateLensResource
-from storage.layout import partition_file
+import updatelens.assets.activations
+import updatelens.assets.functional_metrics
+import updatelens.assets.local_fits
+import updatelens.assets.residuals
+from updatelens import assets
+from updatelens.assets.checks import CheckSettings
+from updatelens.orchestration.definitions import ASSETS
+from updatelens.assets.partitions import model_keys
+from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.storage.layout import partition_file
 from updatelens.fits.base import LocalFit
 from updatelens.tables import to_matrix, vector_column
 

@@ -13,11 +13,11 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from orchestration.deployments import CPU_QUEUE, GPU_QUEUE
-from orchestration.resources import AnalysisSettings, UpdateLensResource
-from orchestration.runner import check_verdicts, dagster_yaml, materialize_layers_distributed, materialize_model
-from storage import catalog
-from storage.layout import TABLES
+from updatelens.assets.routing import CPU_QUEUE, GPU_QUEUE
+from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.orchestration.runner import check_verdicts, dagster_yaml, materialize_layers_distributed, materialize_model
+from updatelens.storage import catalog
+from updatelens.storage.layout import TABLES
 from tests import cluster
 from tests.zoo import N_LAYERS
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from orchestration.definitions import defs
+from updatelens.orchestration.definitions import defs
 
 LINEAGE = {
     "activations": set(),
@@ -62,9 +62,9 @@ def test_deployment_profiles_select_the_executor_and_route_steps(monkeypatch) ->
 
     import pytest
 
-    from orchestration.definitions import build_defs
-    from orchestration.deployments import active_profile
-    from orchestration.runner import analyse_job
+    from updatelens.orchestration.definitions import build_defs
+    from updatelens.orchestration.deployments import active_profile
+    from updatelens.orchestration.runner import analyse_job
     from updatelens.errors import ConfigError
 
     expected = {"local": "multiprocess", "celery": "celery", "k8s": "k8s"}
@@ -83,3 +83,16 @@ def test_deployment_profiles_select_the_executor_and_route_steps(monkeypatch) ->
         assert tags["dagster-celery/queue"] == queue, step
         resources = json.loads(tags["dagster-k8s/config"])["container_config"]["resources"]
         assert ("nvidia.com/gpu" in resources["requests"]) == (queue == "gpu"), step
+
+
+def test_the_stage_description_drives_the_assets_and_every_check_belongs_to_a_stage() -> None:
+    from updatelens.assets.checks import CHECK_DEFS
+    from updatelens.stages import STAGES
+
+    graph = defs.resolve_asset_graph()
+    for stage in STAGES:
+        node = graph.get(dg.AssetKey(stage.name))
+        assert node.group_name == stage.group and node.description == stage.description, stage.name
+        checks = {k.name for k in node.check_keys}
+        assert checks == set(stage.checks), stage.name
+    assert {c for s in STAGES for c in s.checks} == set(CHECK_DEFS)

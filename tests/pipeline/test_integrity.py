@@ -8,13 +8,13 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from orchestration.cli import main
-from orchestration.resources import AnalysisSettings, UpdateLensResource
-from orchestration.runner import materialize_model, stale_layers
-from reports.build import build_model_report
-from storage import catalog
-from storage.integrity import MANIFEST, QUARANTINE, partition_error, read_manifest
-from storage.layout import partition_file
+from updatelens.orchestration.cli import main
+from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.orchestration.runner import materialize_model, stale_layers
+from updatelens.reports.build import build_model_report
+from updatelens.storage import catalog
+from updatelens.storage.integrity import MANIFEST, QUARANTINE, partition_error, read_manifest
+from updatelens.storage.layout import partition_file
 
 MODEL = "tiny-llama"
 SETTINGS = dict(n_seq=6, seq_len=16, k=8, rank=2, classes=["diagonal"], bootstrap=10)

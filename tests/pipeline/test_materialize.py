@@ -9,13 +9,13 @@ import duckdb
 import pytest
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-from assets.common import StaleInputError
-from orchestration.definitions import ASSETS
-from orchestration.partitions import layer_key
-from orchestration.resources import AnalysisSettings, UpdateLensResource
-from orchestration.runner import failure_message, materialize_model
-from storage import catalog
-from storage.layout import TABLES, partition_file
+from updatelens.assets.common import StaleInputError
+from updatelens.orchestration.definitions import ASSETS
+from updatelens.assets.partitions import layer_key
+from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.orchestration.runner import failure_message, materialize_model
+from updatelens.storage import catalog
+from updatelens.storage.layout import TABLES, partition_file
 from tests.zoo import N_LAYERS
 
 MODELS = ["tiny-gpt2", "tiny-llama", "tiny-mamba"]
@@ -117,7 +117,7 @@ def test_a_model_key_range_runs_as_one_run(run) -> None:
 
 
 def test_updatelens_sql_prints_a_table(run, capsys: pytest.CaptureFixture) -> None:
-    from orchestration.cli import main
+    from updatelens.orchestration.cli import main
 
     lens, _ = run
     code = main(["sql", "SELECT model, count(*) AS n_rows FROM layer_summary GROUP BY model ORDER BY model",
@@ -131,7 +131,7 @@ def test_updatelens_sql_prints_a_table(run, capsys: pytest.CaptureFixture) -> No
 
 def test_updatelens_sql_is_read_only_unless_asked(run, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """COPY ... TO (and any other writing statement) is refused before it runs; --write allows it."""
-    from orchestration.cli import main
+    from updatelens.orchestration.cli import main
 
     lens, _ = run
     target = tmp_path / "out.csv"
@@ -147,8 +147,8 @@ def test_updatelens_sql_is_read_only_unless_asked(run, tmp_path: Path, capsys: p
 def test_reports_build_from_stored_results_with_every_figure(run) -> None:
     from PIL import Image
 
-    from orchestration.runner import materialize_reports
-    from reports.build import COMPARISON, COMPARISON_FIGURES, MODEL_FIGURES, reports_root
+    from updatelens.orchestration.runner import materialize_reports
+    from updatelens.reports.build import COMPARISON, COMPARISON_FIGURES, MODEL_FIGURES, reports_root
 
     lens, instance = run
     results = materialize_reports(MODELS, lens, instance)
@@ -175,8 +175,8 @@ def test_reports_build_from_stored_results_with_every_figure(run) -> None:
 
 
 def test_convention_sweep_is_stored_side_by_side_and_replaced_whole(run) -> None:
-    from orchestration.runner import materialize_reports, materialize_sweep
-    from storage.layout import sweep_root
+    from updatelens.orchestration.runner import materialize_reports, materialize_sweep
+    from updatelens.storage.layout import sweep_root
     from updatelens.config import AnalysisConfig
 
     lens, instance = run
@@ -203,7 +203,7 @@ def test_convention_sweep_is_stored_side_by_side_and_replaced_whole(run) -> None
     assert set(catalog.query(lens.root, "SELECT DISTINCT config_id FROM geometry")["config_id"]) == {lens.config().config_id}
     # the report now carries the sensitivity table
     assert materialize_reports(["tiny-llama"], lens, instance, comparison=False)[0].success
-    from reports.build import reports_root
+    from updatelens.reports.build import reports_root
 
     assert "Sensitivity to the conventions" in (reports_root(lens.root) / "tiny-llama" / "index.html").read_text()
     # a rerun with another grid replaces the model's sweep whole
@@ -214,8 +214,8 @@ def test_convention_sweep_is_stored_side_by_side_and_replaced_whole(run) -> None
 
 
 def test_updatelens_report_regenerates_without_recomputing(run, monkeypatch, tmp_path: Path, capsys) -> None:
-    from orchestration.cli import main
-    from reports.build import reports_root
+    from updatelens.orchestration.cli import main
+    from updatelens.reports.build import reports_root
 
     lens, _ = run
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
@@ -232,7 +232,7 @@ def test_updatelens_report_regenerates_without_recomputing(run, monkeypatch, tmp
 def test_converge_job_analyses_each_sample_size_and_fills_the_convergence_view(zoo: Path, tmp_path: Path) -> None:
     """The Dagster job `converge`: two nested sizes of one tiny model, each a data root of its own with
     every layer asked for; the view lists every finding at both sizes; a second launch finds them up to date."""
-    from orchestration.convergence import converge_job
+    from updatelens.orchestration.convergence import converge_job
 
     lens = UpdateLensResource(data_root=str(tmp_path), registry=str(zoo),
                               analysis=AnalysisSettings(**{**SETTINGS, "classes": ["diagonal"], "bootstrap": 20}))

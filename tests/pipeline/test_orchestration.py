@@ -10,13 +10,13 @@ import dagster as dg
 import pytest
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-from orchestration.definitions import ASSETS, defs
-from orchestration.partitions import MODEL_LAYER, model_keys
-from orchestration.resources import AnalysisSettings, UpdateLensResource
-from orchestration.runner import dagster_yaml, materialize_model
-from orchestration.schedules import stale_partitions_schedule
-from orchestration.sensors import model_registry_sensor, reports_after_analysis
-from storage.layout import delete_partition
+from updatelens.orchestration.definitions import ASSETS, defs
+from updatelens.assets.partitions import MODEL_LAYER, model_keys
+from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.orchestration.runner import dagster_yaml, materialize_model
+from updatelens.orchestration.schedules import stale_partitions_schedule
+from updatelens.orchestration.sensors import model_registry_sensor, reports_after_analysis
+from updatelens.storage.layout import delete_partition
 
 SETTINGS = dict(n_seq=6, seq_len=16, k=8, rank=2)
 

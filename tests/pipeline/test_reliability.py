@@ -16,11 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import BertConfig, BertModel, DistilBertConfig, DistilBertModel
 
-from orchestration.cli import main
-from orchestration.resources import AnalysisSettings, UpdateLensResource
-from orchestration.runner import materialize_model
-from storage import catalog
-from storage.layout import KILL_BEFORE_MANIFEST_ENV, KILL_MID_REPLACE_ENV, KILL_MID_WRITE_ENV, STAGING, TABLES
+from updatelens.orchestration.cli import main
+from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.orchestration.runner import materialize_model
+from updatelens.storage import catalog
+from updatelens.storage.layout import KILL_BEFORE_MANIFEST_ENV, KILL_MID_REPLACE_ENV, KILL_MID_WRITE_ENV, STAGING, TABLES
 from updatelens.errors import ModelError
 from updatelens.models import locate_blocks
 
@@ -168,7 +168,7 @@ def test_blocks_that_cannot_be_located_are_a_clear_error() -> None:
 
 def cli(args: list[str], home: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     env = dict(os.environ, DAGSTER_HOME=str(home), HF_HUB_OFFLINE="1", **(extra_env or {}))
-    return subprocess.Popen([sys.executable, "-m", "orchestration.cli", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "updatelens.orchestration.cli", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -218,7 +218,7 @@ def test_sigkill_before_the_manifest_and_mid_replace_leave_only_verified_files(z
     out, _ = final.communicate(timeout=300)
     assert final.returncode == 0, out
     assert catalog.query(root, "SELECT count(DISTINCT layer) AS n FROM geometry")["n"][0] == 3
-    assert subprocess.run([sys.executable, "-m", "orchestration.cli", "verify", "--data-root", str(root)],
+    assert subprocess.run([sys.executable, "-m", "updatelens.orchestration.cli", "verify", "--data-root", str(root)],
                           cwd=REPO, capture_output=True).returncode == 0
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from orchestration.partitions import model_keys
-from orchestration.runner import dagster_yaml
+from updatelens.assets.partitions import model_keys
+from updatelens.orchestration.runner import dagster_yaml
 from tests.pipeline.test_webserver import REPO, free_port, graphql, start_webserver, wait_ready
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -29,7 +29,7 @@ def test_updatelens_ui_starts_and_stops_on_sigterm(tmp_path: Path) -> None:
     port = free_port()
     env = dict(os.environ, DAGSTER_HOME=str(home), UPDATELENS_REGISTRY=str(registry),
                UPDATELENS_DATA=str(tmp_path / "data"))
-    proc = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "ui", "--port", str(port)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "updatelens.orchestration.cli", "ui", "--port", str(port)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_ready(proc, port, timeout=180)

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -15,8 +16,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from orchestration.partitions import model_keys
-from orchestration.runner import DAGSTER_YAML
+from updatelens.assets.partitions import model_keys
+from updatelens.orchestration.runner import DAGSTER_YAML
 
 REPO = Path(__file__).resolve().parents[2]
 QUERY = """
@@ -40,7 +41,7 @@ def graphql(port: int, query: str) -> dict:
 
 def start_webserver(home: Path, port: int) -> subprocess.Popen:
     env = dict(os.environ, DAGSTER_HOME=str(home), HF_HUB_OFFLINE="1", UPDATELENS_DATA=str(home / "data"))
-    return subprocess.Popen(["dagster-webserver", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
+    return subprocess.Popen([sys.executable, "-m", "dagster_webserver", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
 

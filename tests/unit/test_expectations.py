@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from assets.expectations import Expect, between, row_count, validate
+from updatelens.assets.expectations import Expect, between, row_count, validate
 
 FRAME = pd.DataFrame({"seq": [0, 0, 1], "pos": [1, 2, 1], "kl": [0.1, -0.5, 0.2], "rel_err": [0.3, 0.4, 0.5]})
 EXPECTATIONS = [row_count(3), *between("rel_err", 0.0, 1.0), *between("kl", 0.0)]

@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from storage import catalog
-from storage.layout import convergence_root, sweep_root, write_partition, write_sweep_run
+from updatelens.storage import catalog
+from updatelens.storage.layout import convergence_root, sweep_root, write_partition, write_sweep_run
 
 LAYERS, CLASSES, TOKENS = 3, ("diagonal", "lowrank"), 5
 PROV = {"config_id": "c1", "model_revision": "r", "corpus_slice": "s", "k": 8, "rank": 2, "dtype": "float64",
@@ -225,7 +225,7 @@ def test_convergence_lists_each_finding_at_each_sample_size(tmp_path: Path) -> N
 def test_convergence_figure_draws_every_finding_even_one_without_values(tmp_path: Path) -> None:
     import polars as pl
 
-    from reports import figures
+    from updatelens.reports import figures
 
     rows = pl.DataFrame({
         "finding": ["1", "1", "6", "6"], "fn_class": ["lowrank"] * 4, "n_tokens": [2048, 8192] * 2,

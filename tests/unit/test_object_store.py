@@ -9,9 +9,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from storage import catalog
-from storage.integrity import partition_error
-from storage.layout import (
+from updatelens.storage import catalog
+from updatelens.storage.integrity import partition_error
+from updatelens.storage.layout import (
     STAGING,
     clean_abandoned_staging,
     delete_partition,
@@ -21,7 +21,7 @@ from storage.layout import (
     read_partition,
     write_partition,
 )
-from storage.location import as_root, is_local, url
+from updatelens.storage.location import as_root, is_local, url
 from tests import cluster
 from updatelens.errors import ConfigError, UpdateLensError
 from updatelens.preflight import check_data_root
@@ -78,7 +78,7 @@ def test_a_failed_write_leaves_the_old_object(root: str, monkeypatch: pytest.Mon
     def boom(*a: object, **k: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr("storage.layout._write_parquet", boom)
+    monkeypatch.setattr("updatelens.storage.layout._write_parquet", boom)
     with pytest.raises(OSError, match="disk full"):
         write_partition(root, "geometry", "m", 0, table(9, 9.0))
     assert read_partition(root, "geometry", "m", 0)["v"].to_pylist() == [1.0, 1.0]
@@ -114,7 +114,7 @@ def test_abandoned_staging_keys_are_removed(root: str, monkeypatch: pytest.Monke
     fs = as_root(root).fs
     fs.pipe_file((as_root(root) / STAGING / "123-dead" / "part-0.parquet").path, b"half")
     assert clean_abandoned_staging(root) == []  # fresh: it may belong to a live writer
-    monkeypatch.setattr("storage.layout.STALE_STAGING_S", -1.0)
+    monkeypatch.setattr("updatelens.storage.layout.STALE_STAGING_S", -1.0)
     assert clean_abandoned_staging(root) == ["123-dead"]
     assert keys(root) == []
 

@@ -6,9 +6,9 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from storage import catalog
-from storage.integrity import MANIFEST, partition_error, read_manifest
-from storage.layout import STAGING, partition_file, read_partition, write_partition
+from updatelens.storage import catalog
+from updatelens.storage.integrity import MANIFEST, partition_error, read_manifest
+from updatelens.storage.layout import STAGING, partition_file, read_partition, write_partition
 
 
 def table(n: int, value: float) -> pa.Table:
@@ -33,7 +33,7 @@ def test_failed_write_leaves_the_old_partition(tmp_path: Path, monkeypatch: pyte
     def boom(*a: object, **k: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr("storage.layout._write_parquet", boom)
+    monkeypatch.setattr("updatelens.storage.layout._write_parquet", boom)
     with pytest.raises(OSError, match="disk full"):
         write_partition(tmp_path, "geometry", "m", 0, table(9, 9.0))
     assert read_partition(tmp_path, "geometry", "m", 0)["v"].to_pylist() == [1.0, 1.0]

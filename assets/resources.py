@@ -16,8 +16,8 @@ import pydantic
 import torch
 from upath import UPath
 
-from assets.checks import CheckSettings
-from storage.location import as_root
+from updatelens.assets.checks import CheckSettings
+from updatelens.storage.location import as_root
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample, make_sample
 from updatelens.models import LoadedModel, load_model

@@ -1,0 +1,104 @@
+"""What gets installed, and which way the imports run.
+
+Installing the project puts one package into site-packages, `updatelens`, with the repository's
+top-level folders under it (assets/ -> updatelens.assets, ...): no generic top-level names. Inside,
+imports only go down: orchestration -> assets -> reports -> storage -> the engine.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from updatelens.registry import PACKAGED_REGISTRY, REPO_REGISTRY
+
+REPO = Path(__file__).resolve().parents[2]
+# lower number = lower layer; a module may import its own layer or any lower one
+LAYERS = {"orchestration": 4, "assets": 3, "reports": 2, "storage": 1}
+ENGINE = 0
+
+
+def _layer_of_module(name: str) -> int | None:
+    """The layer of an `updatelens.*` module name; None for anything outside the project."""
+    parts = name.split(".")
+    if parts[0] != "updatelens":
+        return None
+    return LAYERS.get(parts[1], ENGINE) if len(parts) > 1 else ENGINE
+
+
+def upward_imports(folder: Path, layer: int) -> list[str]:
+    """`file: module` for every import in `folder` of a module in a higher layer."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                     else [])
+            for name in names:
+                target = _layer_of_module(name)
+                if target is not None and target > layer:
+                    found.append(f"{path.relative_to(REPO)}: {name}")
+    return found
+
+
+def test_imports_only_go_down() -> None:
+    folders = {REPO / name: layer for name, layer in LAYERS.items()} | {REPO / "updatelens": ENGINE}
+    upward = [hit for folder, layer in folders.items() for hit in upward_imports(folder, layer)]
+    assert upward == [], "imports up the layers:\n" + "\n".join(upward)
+
+
+def test_the_import_check_sees_an_upward_import(tmp_path: Path) -> None:
+    (tmp_path / "storage").mkdir()
+    (tmp_path / "storage" / "bad.py").write_text("from updatelens.assets.checks import CheckSettings\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys.modules[__name__], "REPO", tmp_path)
+        assert upward_imports(tmp_path / "storage", LAYERS["storage"]) == [
+            "storage/bad.py: updatelens.assets.checks"]
+
+
+def test_the_packaged_registry_declares_what_the_repository_registry_declares() -> None:
+    repo, packaged = (tomllib.loads(p.read_text()) for p in (REPO_REGISTRY, PACKAGED_REGISTRY))
+    assert packaged == repo
+
+
+def test_the_wheel_installs_one_namespace_and_runs_from_outside_the_repository(tmp_path: Path) -> None:
+    """Build the wheel, install it (no dependencies: those of this environment serve) into a folder,
+    and from a directory outside the repository: the generic names import nothing of ours, the
+    project's modules import from the installed copy, and the CLI answers."""
+    wheels, site, outside = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
+    outside.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "-w", str(wheels), str(REPO)], check=True, capture_output=True, timeout=300)
+    (wheel,) = wheels.glob("updatelens-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"updatelens", wheel.name.split("-")[0] + "-" +
+                                                wheel.name.split("-")[1] + ".dist-info"}
+    assert "updatelens/assets/checks.py" in names and "updatelens/default_registry.toml" in names
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    env.pop("UPDATELENS_REGISTRY", None)
+    probe = """
+import importlib.util
+for generic in ("assets", "storage", "reports", "orchestration"):
+    assert importlib.util.find_spec(generic) is None, generic
+import updatelens.assets.checks, updatelens.orchestration.definitions
+from updatelens.registry import registry_path
+print(updatelens.assets.checks.__file__)
+print(registry_path())
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=outside, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    checks_file, registry = out.stdout.split()
+    assert checks_file.startswith(str(site)) and registry == str(site / "updatelens" / "default_registry.toml")
+    cli = subprocess.run([sys.executable, "-m", "updatelens.orchestration.cli", "--help"], cwd=outside, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0 and "usage: updatelens" in cli.stdout, cli.stderr

@@ -1,0 +1,61 @@
+"""The pipeline's stages, described once.
+
+Everything that needs to know the stages reads this tuple: the Dagster assets (name, group, kinds,
+upstream, checks, whether the step holds the model), the jobs, the storage layout (which tables a
+stage writes), staleness (the last table of the last stage) and the tests. Adding a stage is one
+entry here plus its module `assets/<name>.py` defining an asset function of the same name (and the
+definitions of any new checks in `assets/checks.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str  # the asset's name, its module under assets/, and its tables' first entry
+    group: str  # the asset group in the UI: capture, decomposition, analysis
+    tables: tuple[str, ...]  # the Parquet tables it writes per (model, layer)
+    needs_model: bool  # loads the model: the `model` pool, the GPU queue and pod size
+    checks: tuple[str, ...]  # its asset checks (defined in assets/checks.py)
+    kinds: tuple[str, ...]  # the technologies the UI shows on the asset
+    description: str
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("activations", "capture", ("activations",), True,
+          ("activations_valid", "activations_match_hidden_states"), ("pytorch", "parquet"),
+          "Raw block inputs/outputs (x = h_l, y = h_{l+1}) of every token of the corpus sample, captured "
+          "with forward hooks; one row per (sequence, position)."),
+    Stage("local_fits", "decomposition", ("local_fits",), False,
+          ("fits_valid", "fits_refit_audit"), ("faiss", "parquet"),
+          "T(x) at every kept token for each function class, fitted on the token's k nearest neighbours "
+          "(other sequences) and evaluated out of sample; fit condition numbers."),
+    Stage("residuals", "decomposition", ("residuals",), False,
+          ("residuals_match_fits", "rel_err_within_bounds", "no_blown_up_fits", "rel_err_drift"), ("parquet",),
+          "Residual r = y - T(x) per token and class, with ||Δ_full||, ||Δ_tok||, ||r|| and the relative "
+          "error ||r|| / ||Δ_full||."),
+    Stage("geometry", "analysis", ("geometry", "spectra", "geometry_bootstrap"), False,
+          ("geometry_ranges",), ("parquet",),
+          "Per token: cosines and angles between Δ_full, Δ_tok and r (update and map forms), projection "
+          "energies on the top-m tokenwise subspace; per layer: singular spectra (table `spectra`) and the "
+          "findings' statistics on bootstrap resamples (`geometry_bootstrap`)."),
+    Stage("functional_metrics", "analysis", ("functional_metrics", "functional_summary", "functional_bootstrap"),
+          True, ("functional_valid",), ("pytorch", "parquet"),
+          "Per token KL of the next-token distribution when block l's output is replaced by T(h_l) (residual "
+          "removed), plus random-direction and cruder-class controls; per layer Spearman(error, KL) in table "
+          "`functional_summary`."),
+)
+
+BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
+STAGE_NAMES: tuple[str, ...] = tuple(BY_NAME)
+TABLES_BY_STAGE: dict[str, tuple[str, ...]] = {s.name: s.tables for s in STAGES}
+# written by the last stage: present only if the whole chain ran for a (model, layer)
+LAST_TABLE: str = STAGES[-1].tables[-1]
+
+
+def upstream(name: str) -> Stage | None:
+    """The stage whose tables `name` reads (the stages form a chain), None for the first."""
+    i = STAGE_NAMES.index(name)
+    return STAGES[i - 1] if i else None
