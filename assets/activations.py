@@ -8,12 +8,14 @@ partitions are committed together when the capture has finished (none appears if
 from contextlib import ExitStack
 
 import dagster as dg
+import pyarrow as pa
 
 from updatelens.assets import checks
 from updatelens.assets.common import Written, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.storage.layout import clean_abandoned_staging, iter_parts, partition_file, partition_writer, read_seq_range
-from updatelens.analysis import activation_rows, provenance
+from updatelens.storage.layout import (clean_abandoned_staging, iter_parts, partition_file, partition_writer,
+                                       read_file, read_seq_range)
+from updatelens.analysis import activation_rows, provenance, token_rows
 from updatelens.capture import capture_batches
 from updatelens.preflight import check_data_root
 
@@ -40,18 +42,27 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
         with ExitStack() as stack:
             sinks = {layer: stack.enter_context(partition_writer(lens.root, "activations", model, layer))
                      for layer in layers}
+            token_sinks = {layer: stack.enter_context(partition_writer(lens.root, "tokens", model, layer))
+                           for layer in layers}
             for batch in capture_batches(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch,
                                          last_block=max(layers)):
+                text = token_rows(lm.tokenizer, batch.input_ids, 0, prov, batch.start)
                 for layer, sink in sinks.items():
                     sink.write(activation_rows(batch.states, batch.input_ids, batch.attention_mask, layer,
                                                cfg, prov, batch.start))
+                    token_sinks[layer].write(text.set_column(0, "layer", pa.array([layer] * len(text), pa.int32())))
         n_check = min(lens.checks.hidden_state_sequences, len(sample.input_ids))
         heads = {}
         for layer in layers:
             path = partition_file(lens.root, "activations", model, layer)
             written.record(path, "activations", model, layer, sinks[layer].rows)
+            written.record(partition_file(lens.root, "tokens", model, layer), "tokens", model, layer,
+                           token_sinks[layer].rows)
             written.note(model, layer, d_model=lm.d_model, n_tokens=sinks[layer].rows)
-            valid[f"{model}:{layer:02d}"] = checks.check_activations(iter_parts(path), cfg, lm.d_model, lens.checks)
+            valid[f"{model}:{layer:02d}"] = verdict = checks.check_activations(iter_parts(path), cfg, lm.d_model,
+                                                                                lens.checks)
+            verdict.merge(checks.check_tokens(read_file(partition_file(lens.root, "tokens", model, layer)),
+                                              read_file(path, ["seq", "pos", "token_id"]), cfg))
             heads[layer] = read_seq_range(path, 0, n_check)
         for layer, verdict in checks.check_against_hidden_states(lm, sample.input_ids, heads, lens.checks).items():
             matches[f"{model}:{layer:02d}"] = verdict

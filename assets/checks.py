@@ -59,7 +59,7 @@ class CheckDef:
 # What each check is; which stage runs it is in updatelens.stages (a stage names its checks).
 CHECK_DEFS: dict[str, CheckDef] = {c.name: c for c in [
     CheckDef("activations_valid", True, "row count = tokens of the sample, vector length = d_model, "
-             "no NaN/Inf, norms within bounds"),
+             "no NaN/Inf, norms within bounds; `tokens` has a text for every token, with the same ids"),
     CheckDef("activations_match_hidden_states", True, "captured states equal the model's "
              "output_hidden_states (all but the last) on a sample of sequences"),
     CheckDef("fits_valid", True, "one finite T(x) of length d_model per kept token and class; "
@@ -198,6 +198,24 @@ def check_activations(parts: Iterable[pa.Table], cfg: AnalysisConfig, d_model: i
     ])
     for scan in scans:
         scan.report(verdict)
+    return verdict
+
+
+def check_tokens(tokens: pa.Table, activations: pa.Table, cfg: AnalysisConfig) -> Verdict:
+    """The `tokens` partition beside an activations partition (its seq, pos, token_id columns): one
+    row with text per token of the sample, naming the same token ids at the same positions."""
+    frame = tokens.select(["seq", "pos", "token_id", "token", "context"]).to_pandas()
+    verdict = validate(frame, [
+        row_count(cfg.n_seq * cfg.seq_len),
+        Expect("ExpectColumnValuesToNotBeNull", {"column": "token"}),
+        Expect("ExpectColumnValuesToNotBeNull", {"column": "context"}),
+        Expect("ExpectCompoundColumnsToBeUnique", {"column_list": ["seq", "pos"]}),
+    ])
+    order = [("seq", "ascending"), ("pos", "ascending")]
+    ours, theirs = tokens.sort_by(order), activations.sort_by(order)
+    same = len(ours) == len(theirs) and all(ours[c].equals(theirs[c]) for c in ("seq", "pos", "token_id"))
+    verdict.expect("tokens.token_id = activations.token_id", same,
+                   "the tokens table names other tokens than the activations at the same (seq, pos)")
     return verdict
 
 

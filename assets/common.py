@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from updatelens.storage.layout import (
     partition_file,
     partition_locks,
     read_file,
+    read_schema,
     read_seq_range,
     write_partition,
 )
@@ -108,17 +112,52 @@ class Written:
         self.per_partition.setdefault(f"{model}:{layer:02d}", {}).update(figures)
 
 
+class _ToDagsterLog(logging.Handler):
+    """Forwards the engine's log records (logger `updatelens`) to a Dagster step's log."""
+
+    def __init__(self, dagster_log: logging.Logger) -> None:
+        super().__init__(logging.INFO)
+        self.dagster_log = dagster_log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        getattr(self.dagster_log, record.levelname.lower(), self.dagster_log.info)(record.getMessage())
+
+
+@contextmanager
+def engine_logs(dagster_log: logging.Logger) -> Iterator[None]:
+    """Within the context the engine's INFO records (progress of capture, fits and patched passes:
+    updatelens.progress) appear in the step's Dagster log, the run's event log in the UI."""
+    engine = logging.getLogger("updatelens")
+    handler, level = _ToDagsterLog(dagster_log), engine.level
+    engine.addHandler(handler)
+    engine.setLevel(min(level, logging.INFO) if level else logging.INFO)
+    try:
+        yield
+    finally:
+        engine.removeHandler(handler)
+        engine.setLevel(level)
+
+
 def stage_asset(fn):  # noqa: ANN001, ANN201 - a decorator
     """A stage's asset, from its description in updatelens.stages (the function's name is the
     stage's): (model, layer) partitions, single-run backfills (a model's key range runs in one
-    process), the engine's code version, the stage's checks, its upstream stage, and where its step
+    process, also when declarative automation requests it), eager automation, the engine's code version, the stage's checks, its upstream stage, and where its step
     may run (a stage that holds the model joins the `model` pool and goes to GPU workers: routing)."""
     stage = BY_NAME[fn.__name__]
     before = upstream(stage.name)
+
+    @functools.wraps(fn)
+    def logged(context: dg.AssetExecutionContext, lens: object) -> object:
+        with engine_logs(context.log):
+            return fn(context, lens)
+
     return dg.asset(
         name=stage.name,
         partitions_def=MODEL_LAYER,
         backfill_policy=dg.BackfillPolicy.single_run(),
+        # new (model, layer) partitions materialize, and each stage follows its upstream's updates;
+        # the UI's Automation tab says for every partition why it ran or did not
+        automation_condition=dg.AutomationCondition.eager(),
         group_name=stage.group,
         code_version=CODE_VERSION,
         kinds=set(stage.kinds),
@@ -127,7 +166,7 @@ def stage_asset(fn):  # noqa: ANN001, ANN201 - a decorator
         op_tags=step_tags(needs_model=stage.needs_model),
         check_specs=checks.specs(stage.name),
         description=stage.description,
-    )(fn)
+    )(logged)
 
 
 def frame_table(frame: pl.DataFrame) -> dg.TableMetadataValue:
@@ -151,11 +190,16 @@ def md_table(columns: list[str], rows: Iterable[Iterable[object]]) -> str:
     return "\n".join(lines)
 
 
-def partition_table_md(per_partition: dict[str, dict[str, object]]) -> str:
-    """A markdown table, one row per partition written in the run."""
+def partition_table(per_partition: dict[str, dict[str, object]]) -> dg.TableMetadataValue:
+    """One row per partition written in the run (rows per table, figures, Parquet path)."""
     columns = list(dict.fromkeys(c for figures in per_partition.values() for c in figures))
-    return md_table(["partition", *columns],
-                    ([key, *(figures.get(c) for c in columns)] for key, figures in per_partition.items()))
+    return frame_table(pl.DataFrame([{"partition": key, **{c: figures.get(c) for c in columns}}
+                                     for key, figures in per_partition.items()], strict=False, infer_schema_length=None))
+
+
+def column_schema(path: str) -> dg.TableSchema:
+    """The columns of a stored table, with their Arrow types, as the UI's column schema."""
+    return dg.TableSchema(columns=[dg.TableColumn(f.name, str(f.type)) for f in read_schema(path)])
 
 
 def each_model(context: dg.AssetExecutionContext, root: Path) -> Iterator[tuple[str, list[int]]]:
@@ -177,7 +221,11 @@ def finish(root: Path, cfg: AnalysisConfig, written: Written, extra: dict[str, o
         "partitions_written": len(written.per_partition),
         "parquet_path": dg.MetadataValue.path(where),
         "dagster/row_count": sum(written.rows.values()),
-        "partitions": dg.MetadataValue.md(partition_table_md(written.per_partition)),
+        "partitions": partition_table(written.per_partition),
+        # the DuckDB views of the stage's tables (updatelens sql, the catalog file) and the main one's columns
+        "dagster/table_name": next(iter(written.rows)),
+        "duckdb_views": ", ".join(written.rows),
+        "dagster/column_schema": column_schema(written.paths[0]),
     }
     for name, n in written.rows.items():
         metadata[f"rows_{name}"] = n

@@ -25,6 +25,7 @@ from updatelens.analysis import (
 )
 from updatelens.capture import block_output_is_tuple
 from updatelens.perturbation import original_output
+from updatelens.progress import progress
 
 
 @stage_asset
@@ -52,23 +53,22 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
         # output (the patched passes resume there or later); a full forward of the first sequences
         # is the reference every layer's identity patch is checked against
         reference = original_output(lm, input_ids[: lens.checks.identity_sequences], cfg.patch_batch)
-        for lo in range(0, n_seq, cfg.kl_block):
-            hi = min(n_seq, lo + cfg.kl_block)
-            blocks = {layer: layer_data(read_seq_range(partition_file(lens.root, "activations", model, layer), lo, hi))
-                      for layer in layers}
-            orig = original_output(lm, input_ids[lo:hi], cfg.patch_batch, resume=(first, blocks[first].y_full),
-                                   returns_tuple=returns_tuple)
-            for layer in layers:
-                data = blocks.pop(layer)
-                fits = fits_from_table(read_seq_range(partition_file(lens.root, "local_fits", model, layer), lo, hi), data)
-                rows[layer] += functional_rows(lm, data, fits, orig, cfg, returns_tuple, positions)
-                if lo == 0:
-                    verdicts[f"{model}:{layer:02d}"] = checks.check_identity_patch(
-                        lm, data, reference, cfg.patch_batch, returns_tuple, lens.checks)
-                context.log.info(f"{model} layer {layer}: patched forwards done for sequences {lo}-{hi - 1} "
-                                 f"of {n_seq}")
-            del orig
-            context.log.info(f"{model}: sequences {hi} of {n_seq} done ({100 * hi // n_seq}%)")
+        with progress(f"{model}: patched passes", n_seq * len(layers), "seq x layer") as bar:
+            for lo in range(0, n_seq, cfg.kl_block):
+                hi = min(n_seq, lo + cfg.kl_block)
+                blocks = {layer: layer_data(read_seq_range(partition_file(lens.root, "activations", model, layer), lo, hi))
+                          for layer in layers}
+                orig = original_output(lm, input_ids[lo:hi], cfg.patch_batch, resume=(first, blocks[first].y_full),
+                                       returns_tuple=returns_tuple)
+                for layer in layers:
+                    data = blocks.pop(layer)
+                    fits = fits_from_table(read_seq_range(partition_file(lens.root, "local_fits", model, layer), lo, hi), data)
+                    rows[layer] += functional_rows(lm, data, fits, orig, cfg, returns_tuple, positions)
+                    if lo == 0:
+                        verdicts[f"{model}:{layer:02d}"] = checks.check_identity_patch(
+                            lm, data, reference, cfg.patch_batch, returns_tuple, lens.checks)
+                    bar.update(hi - lo)
+                del orig
         for layer in layers:
             fm, fs = functional_tables_from_rows(rows.pop(layer), cfg, provenance_from(heads[layer], cfg), layer)
             stored_fm = written.add(lens.root, "functional_metrics", model, layer, fm)

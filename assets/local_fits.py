@@ -32,7 +32,7 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> d
             degenerate = 0
             with partition_writer(lens.root, "local_fits", model, layer) as sink:
                 for fn_class in cfg.classes:
-                    fit = fit_layer(fn_class, data.x, data.y, data.seq, neighbours, cfg)
+                    fit = fit_layer(fn_class, data.x, data.y, data.seq, neighbours, cfg, label=f"{model} layer {layer}: ")
                     for part in fit_row_parts(data, fit, neighbours, prov, layer):
                         sink.write(part)
                     degenerate += int(np.sum(fit.degenerate))

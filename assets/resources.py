@@ -7,6 +7,7 @@ source of truth for names and defaults); the launchpad shows them under `resourc
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from updatelens.assets.checks import CheckSettings
 from updatelens.storage.location import as_root
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample, make_sample
+from updatelens.errors import ConfigError
 from updatelens.models import LoadedModel, load_model
 from updatelens.registry import get_corpus, get_model, registry_path
 
@@ -46,6 +48,26 @@ AnalysisSettings = pydantic.create_model(  # type: ignore[call-overload]
 _MODEL_CACHE: dict[tuple[str, str], LoadedModel] = {}
 
 
+SETTINGS_ENV = "UPDATELENS_SETTINGS"
+
+
+def default_settings() -> Any:
+    """The code location's analysis settings: the engine's defaults, overridden by the JSON object in
+    $UPDATELENS_SETTINGS (e.g. '{"n_seq": 64, "classes": ["lowrank"]}'): what automated runs (sensors,
+    declarative automation, schedules) use unless a launch gives its own config."""
+    raw = os.environ.get(SETTINGS_ENV)
+    if not raw:
+        return AnalysisSettings()
+    try:
+        values = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"${SETTINGS_ENV} is not valid JSON: {exc}") from exc
+    if not isinstance(values, dict):
+        raise ConfigError(f"${SETTINGS_ENV} must be a JSON object of analysis settings")
+    AnalysisConfig.from_dict(values)  # unknown or invalid settings fail here, with their names
+    return AnalysisSettings(**values)
+
+
 def default_data_root() -> str:
     return os.environ.get("UPDATELENS_DATA", str(Path.cwd() / "data"))
 
@@ -56,7 +78,7 @@ class UpdateLensResource(dg.ConfigurableResource):
     data_root: str = pydantic.Field(default_factory=default_data_root)
     registry: str = pydantic.Field(default_factory=lambda: str(registry_path()))
     corpus: str = "wiki-embedded"
-    analysis: AnalysisSettings = pydantic.Field(default_factory=AnalysisSettings)  # type: ignore[valid-type]
+    analysis: AnalysisSettings = pydantic.Field(default_factory=default_settings)  # type: ignore[valid-type]
     checks: CheckSettings = pydantic.Field(default_factory=CheckSettings)
 
     @property

@@ -9,7 +9,7 @@ from updatelens.orchestration.deployments import Profile, active_profile, execut
 from updatelens.orchestration.jobs import JOBS
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.orchestration.schedules import stale_partitions_schedule
-from updatelens.orchestration.sensors import model_registry_sensor, reports_after_analysis
+from updatelens.orchestration.sensors import model_registry_sensor, reports_after_analysis, stage_automation_sensor
 
 __all__ = ["ASSETS", "build_defs", "defs"]
 
@@ -18,7 +18,7 @@ def build_defs(profile: Profile) -> dg.Definitions:
     return dg.Definitions(
         assets=[*ASSETS, *PER_MODEL_ASSETS],
         jobs=JOBS,
-        sensors=[model_registry_sensor, reports_after_analysis],
+        sensors=[model_registry_sensor, stage_automation_sensor, reports_after_analysis],
         schedules=[stale_partitions_schedule],
         resources={"lens": UpdateLensResource()},
         executor=executor_for(profile),

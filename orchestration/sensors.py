@@ -1,4 +1,5 @@
-"""A sensor on the model registry: a new model gets its (model, layer) partitions and its runs."""
+"""Sensors: the model registry (partitions of new models, runs for changed sources), the stage
+assets' declarative automation, and the reports after an analysis."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from updatelens.assets.resources import UpdateLensResource
 from updatelens import CODE_VERSION
 from updatelens.errors import UpdateLensError
 from updatelens.models import read_depth
+from updatelens.stages import STAGE_NAMES
 
 
 def stale_run_requests(lens: UpdateLensResource, model: str, n_layers: int, run_key: str) -> list[dg.RunRequest]:
@@ -37,28 +39,44 @@ def stale_run_requests(lens: UpdateLensResource, model: str, n_layers: int, run_
     return [dg.RunRequest(run_key=f"{key}@{run_key}", partition_key=key) for key in stale]
 
 
+def found_on_disk(lens: UpdateLensResource, model: str, n_layers: int) -> list[dg.AssetMaterialization]:
+    """The model's partitions already up to date in the data root (every table verifies against its
+    manifest, made by this code and configuration), as materializations of every stage: declarative
+    automation then runs only what is missing (a new instance over an existing data root recomputes
+    nothing)."""
+    stale = set(stale_keys(lens.root, model, n_layers, lens.config().config_id, CODE_VERSION))
+    return [dg.AssetMaterialization(stage, partition=key, description="found up to date in the data root",
+                                    metadata={"data_root": lens.data_root})
+            for key in model_keys(model, n_layers) if key not in stale for stage in STAGE_NAMES]
+
+
 @dg.sensor(job=analyse_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Watches the model registry file: a model added (or whose source changed) gets its "
-                       "(model, layer) partitions from its real depth and runs for those not yet up to date. "
-                       "A removed model is not rerun. The cursor records what was handled, so a daemon "
-                       "restart requests nothing twice.")
+           description="Watches the model registry file. A new model gets its (model, layer) partitions from "
+                       "its real depth (the stage assets' declarative automation then runs the missing ones; "
+                       "partitions already up to date on disk are reported, not rerun); a model whose source "
+                       "changed gets runs for its stale partitions. A removed model is not rerun. The cursor "
+                       "records what was handled, so a daemon restart requests nothing twice.")
 def model_registry_sensor(context: dg.SensorEvaluationContext, lens: UpdateLensResource) -> dg.SensorResult:
     changes = registry_changes(Path(lens.registry), context.cursor)
     existing = set(context.instance.get_dynamic_partitions(MODEL_LAYER.name))
     existing_models = set(context.instance.get_dynamic_partitions(MODELS.name))
-    partition_requests, run_requests, skipped = [], [], []
+    partition_requests, run_requests, events, skipped = [], [], [], []
     for entry in changes.added:
         try:
             depth = read_depth(entry)
         except (UpdateLensError, OSError, ValueError) as exc:
             skipped.append(f"{entry.slug}: {exc}")
             continue
-        new = [k for k in model_keys(entry.slug, depth) if k not in existing]
+        keys = model_keys(entry.slug, depth)
+        new = [k for k in keys if k not in existing]
         if new:
             partition_requests.append(MODEL_LAYER.build_add_request(new))
         if entry.slug not in existing_models:
             partition_requests.append(MODELS.build_add_request([entry.slug]))
-        run_requests.extend(stale_run_requests(lens, entry.slug, depth, fingerprint(entry)))
+        if len(new) == len(keys):  # a new model: automation runs what the data root lacks
+            events += found_on_disk(lens, entry.slug, depth)
+        else:  # its source changed: what the new source makes stale reruns
+            run_requests.extend(stale_run_requests(lens, entry.slug, depth, fingerprint(entry)))
     for slug in changes.removed:
         context.log.info(f"model {slug!r} left the registry: it is not rerun; its results stay queryable")
     for line in skipped:
@@ -66,9 +84,20 @@ def model_registry_sensor(context: dg.SensorEvaluationContext, lens: UpdateLensR
     return dg.SensorResult(
         run_requests=run_requests,
         dynamic_partitions_requests=partition_requests,
+        asset_events=events,
         cursor=changes.cursor,
-        skip_reason=None if run_requests else "no new model needs a run" + (f" ({'; '.join(skipped)})" if skipped else ""),
+        skip_reason=None if run_requests or partition_requests else
+        "no registry change needs partitions or runs" + (f" ({'; '.join(skipped)})" if skipped else ""),
     )
+
+
+# Evaluates the stage assets' automation conditions (on by default, unlike Dagster's default
+# automation sensor): new partitions run as one backfill, so a model's layers share one run.
+stage_automation_sensor = dg.AutomationConditionSensorDefinition(
+    "stage_automation", target=dg.AssetSelection.assets(*STAGE_NAMES), default_status=dg.DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=30,
+    description="Declarative automation of the five stages: missing (model, layer) partitions materialize, "
+                "each stage follows its upstream's updates.")
 
 
 def models_of_run(tags: dict[str, str]) -> list[str]:

@@ -16,6 +16,7 @@ is then not written (its views would only open where that filesystem is register
 from __future__ import annotations
 
 import fcntl
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,6 +260,21 @@ def _parquet_view(name: str, files: list[str], hive_types: str, select: str = "*
             f"hive_partitioning = true, union_by_name = true, hive_types = {{{hive_types}}})")
 
 
+# Per-token tables whose views carry each token's text (`token`, `context`) from `tokens`. The
+# others stay plain: layer_summary and the findings aggregate `geometry` and need no join.
+WITH_TEXT = ("residuals", "functional_metrics")
+
+
+def _text_view(name: str, files: list[str], hive_types: str) -> str:
+    """A per-token view with the token's text joined from the `tokens` view (same model, layer,
+    corpus slice, sequence and position)."""
+    listed = ", ".join(_sql_string(f) for f in files)
+    return (f"CREATE OR REPLACE VIEW {name} AS SELECT m.*, t.token, t.context FROM read_parquet([{listed}], "
+            f"hive_partitioning = true, union_by_name = true, hive_types = {{{hive_types}}}) m "
+            f"LEFT JOIN tokens t ON t.model = m.model AND t.layer = m.layer AND t.corpus_slice = m.corpus_slice "
+            f"AND t.seq = m.seq AND t.pos = m.pos")
+
+
 MAIN_HIVE = "'model': VARCHAR, 'layer': INTEGER"
 SWEEP_HIVE = "'config': VARCHAR, 'model': VARCHAR, 'layer': INTEGER"  # rows carry config_id: `config=` dropped
 CONV_HIVE = "'n_seq': INTEGER, 'model': VARCHAR, 'layer': INTEGER"  # n_seq is part of config_id: dropped
@@ -349,12 +365,31 @@ def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: st
 def _family_views(con: duckdb.DuckDBPyConnection, good: dict[str, list[str]], tables: tuple[str, ...],
                   prefix: str, hive: str, select: str = "*") -> set[str]:
     """One view per table with verified files (the others dropped); the tables that have one."""
+    present = set()
     for table in tables:
-        if table in good:
-            con.execute(_parquet_view(f"{prefix}{table}", good[table], hive, select))
+        if table in good and _create_view(con, f"{prefix}{table}", good[table],
+                                          lambda files, name=f"{prefix}{table}": _parquet_view(name, files, hive, select)):
+            present.add(table)
         else:
             con.execute(f"DROP VIEW IF EXISTS {prefix}{table}")
-    return {t for t in tables if t in good}
+    return present
+
+
+def _create_view(con: duckdb.DuckDBPyConnection, name: str, files: list[str], sql: Callable[[list[str]], str]) -> bool:
+    """Create a view over `files`; False if none is left. DuckDB opens the files when the view is
+    created: a run replacing a partition at that moment (its old file moved aside after this process
+    verified it) makes the creation fail; the files still in place are then used (the partition being
+    replaced shows again once its run commits)."""
+    for _ in range(3):
+        try:
+            con.execute(sql(files))
+            return True
+        except duckdb.IOException:
+            files = [f for f in files if as_root(f).exists()]
+            if not files:
+                return False
+    con.execute(sql(files))
+    return True
 
 
 @dataclass
@@ -384,6 +419,9 @@ def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
         con.register_filesystem(root.fs)
     verified = verify_root(root)
     present = _family_views(con, verified.main, TABLES, "", MAIN_HIVE)
+    if "tokens" in present:
+        for table in (t for t in WITH_TEXT if t in present):
+            _create_view(con, table, verified.main[table], lambda files, name=table: _text_view(name, files, MAIN_HIVE))
     swept = _family_views(con, verified.sweeps, SWEEP_TABLES, "sweep_", SWEEP_HIVE, "* EXCLUDE (config)")
     if has_sweep_runs(root):
         con.execute(f"CREATE OR REPLACE VIEW sweep_runs AS SELECT * FROM read_parquet("

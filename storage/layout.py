@@ -213,12 +213,21 @@ def _find(path: UPath) -> list[str]:
     return list(fs.find(path.path))
 
 
-def read_file(path: str | Path) -> pa.Table:
-    """Read one Parquet file of the store (local path or object URL)."""
+def read_schema(path: str | Path) -> pa.Schema:
+    """The Arrow schema of one Parquet file of the store (its footer only)."""
     path = as_root(path)
     if is_local(path):
-        return pq.read_table(path)
-    return pq.read_table(path.path, filesystem=path.fs)
+        return pq.read_schema(path)
+    with path.fs.open(path.path, "rb") as f:
+        return pq.read_schema(f)
+
+
+def read_file(path: str | Path, columns: list[str] | None = None) -> pa.Table:
+    """Read one Parquet file of the store (local path or object URL), all or some of its columns."""
+    path = as_root(path)
+    if is_local(path):
+        return pq.read_table(path, columns=columns)
+    return pq.read_table(path.path, columns=columns, filesystem=path.fs)
 
 
 def iter_parts(path: str | Path, columns: list[str] | None = None) -> Iterator[pa.Table]:

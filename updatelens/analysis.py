@@ -84,6 +84,27 @@ def activation_rows(states: np.ndarray, input_ids: np.ndarray, attention_mask: n
     return with_provenance(cols, prov, layer)
 
 
+CONTEXT_TOKENS = 8  # the left context of a token in the tokens table: it and the 7 before it
+
+
+def token_rows(tokenizer: object, input_ids: np.ndarray, layer: int, prov: Provenance, seq_offset: int = 0,
+               context: int = CONTEXT_TOKENS) -> pa.Table:
+    """Which text each (seq, pos) of a batch is: the token decoded alone and a short left context
+    ending with it (the `context` tokens up to and including it), so SQL answers with words."""
+    n_seq, seq_len = input_ids.shape
+    ids = input_ids.tolist()
+    windows = [row[max(0, p - context + 1) : p + 1] for row in ids for p in range(seq_len)]
+    decode = tokenizer.batch_decode  # type: ignore[attr-defined]
+    cols = {
+        "seq": pa.array(np.repeat(np.arange(seq_offset, seq_offset + n_seq), seq_len), pa.int32()),
+        "pos": pa.array(np.tile(np.arange(seq_len), n_seq), pa.int32()),
+        "token_id": pa.array(input_ids.reshape(-1), pa.int64()),
+        "token": pa.array(decode([[t] for t in input_ids.reshape(-1).tolist()]), pa.string()),
+        "context": pa.array(decode(windows), pa.string()),
+    }
+    return with_provenance(cols, prov, layer)
+
+
 def activations_table(cap: Captured, layer: int, cfg: AnalysisConfig, prov: Provenance) -> pa.Table:
     """Transition l of a whole in-memory capture (notebooks, sweeps)."""
     return activation_rows(cap.states, cap.input_ids, cap.attention_mask, layer, cfg, prov)
@@ -188,10 +209,12 @@ def layer_neighbours(data: LayerData | Transition, cfg: AnalysisConfig) -> np.nd
                cfg.ann_threshold)
 
 
-def compute_fits(data: LayerData | Transition, cfg: AnalysisConfig) -> tuple[dict[str, LayerFit], np.ndarray | None]:
+def compute_fits(data: LayerData | Transition, cfg: AnalysisConfig,
+                 label: str | None = None) -> tuple[dict[str, LayerFit], np.ndarray | None]:
+    """Neighbours and every class's fits of one layer; `label` names their progress (fits.fit_layer)."""
     x, y, seq = data.x, data.y, data.seq
     neighbours = layer_neighbours(data, cfg)
-    fits = {c: fit_layer(c, x, y, seq, neighbours, cfg) for c in cfg.classes}
+    fits = {c: fit_layer(c, x, y, seq, neighbours, cfg, label) for c in cfg.classes}
     return fits, neighbours
 
 
@@ -550,6 +573,7 @@ def analyse_model(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig,
         fm, fs = functional_tables(lm, data, fits, orig, cfg, prov, cap.block_returns_tuple)
         yield LayerResult(layer, {
             "activations": act,
+            "tokens": token_rows(lm.tokenizer, sample.input_ids, layer, prov),
             "local_fits": fits_table(data, fits, neighbours, prov),
             "residuals": residuals_table(data, fits, prov),
             "geometry": geo,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from updatelens.models import LoadedModel
+from updatelens.progress import progress
 
 
 def first_tensor(output: object) -> torch.Tensor:
@@ -112,16 +113,18 @@ def capture_batches(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.n
     device = lm.device
     probe_handle = lm.blocks[0].register_forward_hook(probe)
     try:
-        for start in range(0, len(input_ids), batch_size):
-            sink: list[list[torch.Tensor]] = [[] for _ in range(lm.n_layers + 1)]
-            ids = torch.as_tensor(input_ids[start : start + batch_size], device=device)
-            mask = torch.as_tensor(attention_mask[start : start + batch_size], device=device)
-            kwargs = {"attention_mask": mask} if lm.allows_padding else {}
-            with torch.inference_mode(), record_block_states(lm.blocks, sink), stop_after_block(lm.blocks, last):
-                lm.model(input_ids=ids, use_cache=False, **kwargs)
-            states = np.stack([chunks[0].numpy() for chunks in sink[: last + 2]])
-            yield CapturedBatch(start, states, input_ids[start : start + batch_size],
-                                attention_mask[start : start + batch_size], returns_tuple)
+        with progress(f"{lm.slug}: capture", len(input_ids), "seq") as bar:
+            for start in range(0, len(input_ids), batch_size):
+                sink: list[list[torch.Tensor]] = [[] for _ in range(lm.n_layers + 1)]
+                ids = torch.as_tensor(input_ids[start : start + batch_size], device=device)
+                mask = torch.as_tensor(attention_mask[start : start + batch_size], device=device)
+                kwargs = {"attention_mask": mask} if lm.allows_padding else {}
+                with torch.inference_mode(), record_block_states(lm.blocks, sink), stop_after_block(lm.blocks, last):
+                    lm.model(input_ids=ids, use_cache=False, **kwargs)
+                states = np.stack([chunks[0].numpy() for chunks in sink[: last + 2]])
+                bar.update(len(ids))
+                yield CapturedBatch(start, states, input_ids[start : start + batch_size],
+                                    attention_mask[start : start + batch_size], returns_tuple)
     finally:
         probe_handle.remove()
 

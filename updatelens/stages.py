@@ -24,10 +24,11 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("activations", "capture", ("activations",), True,
+    Stage("activations", "capture", ("activations", "tokens"), True,
           ("activations_valid", "activations_match_hidden_states"), ("pytorch", "parquet"),
           "Raw block inputs/outputs (x = h_l, y = h_{l+1}) of every token of the corpus sample, captured "
-          "with forward hooks; one row per (sequence, position)."),
+          "with forward hooks; one row per (sequence, position). Table `tokens`: each token's text and "
+          "its short left context."),
     Stage("local_fits", "decomposition", ("local_fits",), False,
           ("fits_valid", "fits_refit_audit"), ("faiss", "parquet"),
           "T(x) at every kept token for each function class, fitted on the token's k nearest neighbours "

@@ -11,6 +11,7 @@ from pathlib import Path
 import dagster as dg
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 import updatelens.assets.activations
@@ -106,6 +107,16 @@ def test_wrong_vector_length_blocks_the_fits(zoo: Path, tmp_path: Path, monkeypa
     corrupt(monkeypatch, assets.activations, "activation_rows", lambda t: with_vectors(t, "x", lambda v: v[:, :-1]))
     result, instance = run(zoo, tmp_path)
     assert_blocked(result, instance, "activations_valid", "x vectors have length 31, expected d_model = 32",
+                   "local_fits", tmp_path)
+
+
+def test_tokens_naming_other_ids_block_the_fits(zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def shifted(t: pa.Table) -> pa.Table:
+        return t.set_column(t.schema.get_field_index("token_id"), "token_id", pc.add(t["token_id"], 1))
+
+    corrupt(monkeypatch, assets.activations, "token_rows", shifted)
+    result, instance = run(zoo, tmp_path)
+    assert_blocked(result, instance, "activations_valid", "the tokens table names other tokens than the activations",
                    "local_fits", tmp_path)
 
 

@@ -51,6 +51,7 @@ def test_every_view_is_queryable_from_the_catalog_file(run) -> None:
     kept = N_SEQ * (SEQ_LEN - 1)
     expected = {
         "activations": len(MODELS) * N_LAYERS * N_SEQ * SEQ_LEN,
+        "tokens": len(MODELS) * N_LAYERS * N_SEQ * SEQ_LEN,
         "local_fits": len(MODELS) * N_LAYERS * len(CLASSES) * kept,
         "residuals": len(MODELS) * N_LAYERS * len(CLASSES) * kept,
         "geometry": len(MODELS) * N_LAYERS * len(CLASSES) * kept,
@@ -71,6 +72,59 @@ def test_every_view_is_queryable_from_the_catalog_file(run) -> None:
         assert bad == 0
         d = con.sql("SELECT DISTINCT len(x) FROM activations").fetchall()
         assert d == [(32,)]
+
+
+def test_a_query_answers_with_the_tokens_text(run, zoo: Path) -> None:
+    """The tokens with the largest KL at a layer, as text: `functional_metrics` (and `residuals`)
+    carry each token's decoded text and its left context, joined from `tokens`."""
+    from updatelens.models import load_model
+    from updatelens.registry import get_model
+
+    lens, _ = run
+    top = catalog.query(lens.root, "SELECT token_id, token, context, kl FROM functional_metrics "
+                                   "WHERE model = 'tiny-gpt2' AND layer = 1 AND variant = 'patch' "
+                                   "AND fn_class = 'lowrank' ORDER BY kl DESC LIMIT 5")
+    assert len(top) == 5 and top["token"].null_count() == 0
+    tokenizer = load_model(get_model("tiny-gpt2", zoo)).tokenizer
+    for token_id, token, context in top.select("token_id", "token", "context").iter_rows():
+        assert token == tokenizer.decode([token_id]) and context.endswith(token)
+    unmatched = catalog.query(lens.root, "SELECT count(*) AS n FROM residuals WHERE token IS NULL")["n"][0]
+    assert unmatched == 0
+
+
+def test_the_run_log_shows_the_progress_of_capture_fits_and_patched_passes(run) -> None:
+    _, instance = run
+    messages = [entry.user_message for run_ in instance.get_runs() for entry in instance.all_logs(run_.run_id)]
+    for expected in (f"tiny-gpt2: capture: {N_SEQ}/{N_SEQ} seq (100%)", "tiny-llama layer 1: fit lowrank: ",
+                     f"tiny-mamba: patched passes: {N_SEQ * N_LAYERS}/{N_SEQ * N_LAYERS} seq x layer (100%)"):
+        assert any(expected in m for m in messages), expected
+
+
+def test_the_notebook_runs_headless_over_the_catalog(run) -> None:
+    """Every cell of the exploration notebook (findings, layer curves, error against KL with the
+    token text, sensitivity) executes against the stored results."""
+    import os
+    import subprocess
+    import sys
+
+    lens, _ = run
+    env = {**os.environ, "UPDATELENS_DATA": str(lens.root)}
+    done = subprocess.run([sys.executable, "-m", "updatelens.reports.notebook"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_materializations_name_their_views_and_carry_column_schemas_and_a_partition_table(run) -> None:
+    _, instance = run
+    meta = instance.get_latest_materialization_event(dg.AssetKey("geometry")).asset_materialization.metadata
+    assert meta["dagster/table_name"].value == "geometry"
+    assert meta["duckdb_views"].value == "geometry, spectra, geometry_bootstrap"
+    assert {"seq", "pos", "fn_class", "angle_full_res"} <= {c.name for c in meta["dagster/column_schema"].schema.columns}
+    partitions = meta["partitions"]
+    assert isinstance(partitions, dg.TableMetadataValue)
+    assert [r.data["partition"] for r in partitions.records] == [f"tiny-mamba:{layer:02d}" for layer in range(N_LAYERS)]
+    tokens = instance.get_latest_materialization_event(dg.AssetKey("activations")).asset_materialization.metadata
+    assert tokens["duckdb_views"].value == "activations, tokens"
 
 
 def test_every_row_records_its_configuration(run) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import shutil
 import tomllib
 from pathlib import Path
 
 import dagster as dg
 import pytest
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_START_TAG
 
 from updatelens.orchestration.definitions import ASSETS, defs
 from updatelens.assets.partitions import MODEL_LAYER, model_keys
@@ -43,20 +44,36 @@ def lens(zoo: Path, tmp_path: Path) -> UpdateLensResource:
                               analysis=AnalysisSettings(**SETTINGS))
 
 
-def test_sensor_adds_partitions_and_requests_each_new_model_once(zoo: Path, lens: UpdateLensResource) -> None:
+def automation(instance: dg.DagsterInstance, cursor: object = None) -> tuple[dict[str, list[str]], object]:
+    """One tick of the stage assets' declarative automation: {asset: requested partition keys}."""
+    result = dg.evaluate_automation_conditions(defs, instance, cursor=cursor)
+    requested = {r.asset_key.to_user_string(): sorted(r.true_subset.expensively_compute_partition_keys())
+                 for r in result.results if r.true_subset.size}
+    return requested, result.cursor
+
+
+STAGES = ["activations", "local_fits", "residuals", "geometry", "functional_metrics"]
+
+
+def test_a_new_model_gets_partitions_from_the_sensor_and_runs_from_automation(zoo: Path,
+                                                                               lens: UpdateLensResource) -> None:
     instance = dg.DagsterInstance.ephemeral()
     first = tick(instance, lens, None)
-    assert [r.tags[ASSET_PARTITION_RANGE_START_TAG] for r in first.run_requests] == ["tiny-gpt2:00"]
-    assert first.run_requests[0].tags[ASSET_PARTITION_RANGE_END_TAG] == "tiny-gpt2:02"
+    assert not first.run_requests  # the sensor only reads the registry and adds partitions
     assert instance.get_dynamic_partitions(MODEL_LAYER.name) == model_keys("tiny-gpt2", 3)
     assert instance.get_dynamic_partitions("models") == ["tiny-gpt2"]  # the report's and sweep's key
+    requested, cursor = automation(instance)
+    assert requested == {stage: model_keys("tiny-gpt2", 3) for stage in STAGES}  # every stage, every layer
+    assert automation(instance, cursor)[0] == {}  # requested once, not again on the next tick
 
-    again = tick(instance, lens, first.cursor)  # no change: nothing requested (daemon restart too)
-    assert not again.run_requests and again.cursor == first.cursor
+    again = tick(instance, lens, first.cursor)  # no change: nothing (daemon restart too)
+    assert not again.run_requests and not again.dynamic_partitions_requests and again.cursor == first.cursor
 
     write_registry(Path(lens.registry), zoo, ["tiny-gpt2", "tiny-mamba"])
     added = tick(instance, lens, again.cursor)
-    assert [r.tags[ASSET_PARTITION_RANGE_START_TAG] for r in added.run_requests] == ["tiny-mamba:00"]
+    assert not added.run_requests
+    requested, _ = automation(instance, cursor)
+    assert requested == {stage: model_keys("tiny-mamba", 3) for stage in STAGES}
 
     write_registry(Path(lens.registry), zoo, ["tiny-mamba"])
     removed = tick(instance, lens, added.cursor)
@@ -64,19 +81,37 @@ def test_sensor_adds_partitions_and_requests_each_new_model_once(zoo: Path, lens
     assert "tiny-gpt2" not in removed.cursor
 
 
-def test_sensor_requests_one_run_per_layer_under_a_cluster_profile(lens: UpdateLensResource,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_changed_source_reruns_its_stale_partitions_one_run_per_layer_under_a_cluster_profile(
+        zoo: Path, lens: UpdateLensResource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    instance = dg.DagsterInstance.ephemeral()
+    first = tick(instance, lens, None)
+    moved = tmp_path / "moved-gpt2"
+    shutil.copytree(tomllib.loads(Path(lens.registry).read_text())["models"]["tiny-gpt2"]["path"], moved)
+    Path(lens.registry).write_text(f'[models.tiny-gpt2]\nsource = "local"\npath = "{moved}"\n'
+                                   '[corpora.wiki-embedded]\nsource = "embedded"\n')
     monkeypatch.setenv("UPDATELENS_PROFILE", "celery")
-    first = tick(dg.DagsterInstance.ephemeral(), lens, None)
-    assert [r.partition_key for r in first.run_requests] == model_keys("tiny-gpt2", 3)
+    changed = tick(instance, lens, first.cursor)
+    assert [r.partition_key for r in changed.run_requests] == model_keys("tiny-gpt2", 3)
+    monkeypatch.setenv("UPDATELENS_PROFILE", "local")
+    assert [r.tags[ASSET_PARTITION_RANGE_START_TAG] for r in tick(instance, lens, first.cursor).run_requests] == [
+        "tiny-gpt2:00"]
 
 
-def test_sensor_adds_but_does_not_rerun_an_up_to_date_model(lens: UpdateLensResource) -> None:
+def test_results_already_on_disk_are_reported_not_rerun(lens: UpdateLensResource) -> None:
     instance = dg.DagsterInstance.ephemeral()
     run = materialize_model("tiny-gpt2", lens, instance)
     assert run.success
-    result = tick(instance, lens, None)
+    assert not tick(instance, lens, None).run_requests  # partitions known and up to date: nothing
+
+    fresh = dg.DagsterInstance.ephemeral()  # a new Dagster instance over the same data root
+    result = tick(fresh, lens, None)
     assert not result.run_requests
+    assert sorted((e.asset_key.to_user_string(), e.partition) for e in result.asset_events) == sorted(
+        (stage, key) for stage in STAGES for key in model_keys("tiny-gpt2", 3))
+    for event in result.asset_events:  # what the daemon does with them
+        fresh.report_runless_asset_event(event)
+    assert automation(fresh)[0] == {}
+
     # after a successful analysis, the model's report and the comparison are requested
     context = dg.build_run_status_sensor_context(sensor_name="reports_after_analysis", dagster_instance=instance,
                                                  dagster_run=run.dagster_run,

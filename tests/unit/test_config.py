@@ -61,3 +61,18 @@ def test_layer_lists_and_ranges_parse_or_name_the_bad_part() -> None:
     assert _parse_layers(None) is None
     with pytest.raises(ValueError, match="'x' is not a layer"):
         _parse_layers("3,x")
+
+
+def test_the_code_locations_settings_come_from_updatelens_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from updatelens.assets.resources import UpdateLensResource
+    from updatelens.errors import ConfigError
+
+    monkeypatch.setenv("UPDATELENS_SETTINGS", '{"n_seq": 6, "seq_len": 16, "classes": ["lowrank"]}')
+    cfg = UpdateLensResource().config()
+    assert (cfg.n_seq, cfg.seq_len, cfg.classes) == (6, 16, ("lowrank",))
+    monkeypatch.setenv("UPDATELENS_SETTINGS", '{"n_sequences": 6}')
+    with pytest.raises(ConfigError, match="unknown configuration keys: \\['n_sequences'\\]"):
+        UpdateLensResource()
+    monkeypatch.setenv("UPDATELENS_SETTINGS", "[6]")
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        UpdateLensResource()

@@ -54,3 +54,17 @@ def test_catalog_views_read_hive_partitions(tmp_path: Path) -> None:
         rows = con.sql("SELECT model, count(*) FROM activations GROUP BY model ORDER BY model").fetchall()
     assert rows == [("a", 2), ("b", 3)]
     assert catalog.query(tmp_path, "SELECT count(*) AS n FROM activations")["n"][0] == 5
+
+
+def test_a_view_is_made_of_the_files_still_in_place_when_one_vanished_after_verification(tmp_path: Path) -> None:
+    """A run replacing a partition can move its verified file aside just before DuckDB opens it."""
+    import pyarrow.parquet as pq
+
+    kept, gone = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    pq.write_table(pa.table({"v": [1, 2]}), kept)
+    with duckdb.connect() as con:
+        made = catalog._create_view(con, "t", [str(kept), str(gone)], lambda files: catalog._parquet_view(
+            "t", files, catalog.MAIN_HIVE))
+        assert made and con.sql("SELECT count(*) FROM t").fetchone()[0] == 2
+        assert not catalog._create_view(con, "u", [str(gone)], lambda files: catalog._parquet_view(
+            "u", files, catalog.MAIN_HIVE))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +17,7 @@ from updatelens.fits.global_linear import fit_global_linear, predict_global_line
 from updatelens.fits.lowrank import fit_lowrank
 from updatelens.fits.mlp import fit_mlp
 from updatelens.fits.orthogonal import fit_orthogonal
+from updatelens.progress import progress
 
 LocalFitter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, FitParams], LocalFit]
 
@@ -72,8 +73,9 @@ def default_workers(fn_class: str, device: str) -> int:
 
 def fit_local_batched(fn_class: str, x: np.ndarray, y: np.ndarray, neighbours: np.ndarray,
                       params: FitParams, dtype: torch.dtype = torch.float64, chunk: int = 256,
-                      device: str = "cpu", workers: int | None = None) -> LocalFit:
-    """One fit per anchor, batched in chunks of anchors (no Python loop per anchor).
+                      device: str = "cpu", workers: int | None = None, label: str | None = None) -> LocalFit:
+    """One fit per anchor, batched in chunks of anchors (no Python loop per anchor). With a `label`,
+    the chunks done show as progress (updatelens.progress) under that name.
 
     With workers > 1 the chunks run on that many threads, torch single-threaded meanwhile (see
     THREADED_CLASSES); the result is the same chunk by chunk (to BLAS rounding) and in order."""
@@ -100,19 +102,23 @@ def fit_local_batched(fn_class: str, x: np.ndarray, y: np.ndarray, neighbours: n
     tx = torch.empty((len(nb), X_all.shape[1]), dtype=dtype, device=device)
     cond = torch.empty(len(nb), dtype=dtype, device=device)
 
-    def into(start: int) -> None:
-        result = one(start)
-        tx[start : start + len(result.tx)] = result.tx
-        cond[start : start + len(result.cond)] = result.cond
-
     starts = range(0, len(nb), chunk)
     n_workers = min(default_workers(fn_class, device) if workers is None else workers, len(starts))
-    if n_workers > 1:
-        with torch_threads(1), ThreadPoolExecutor(n_workers) as pool:
-            list(pool.map(into, starts))
-    else:
-        for start in starts:
-            into(start)
+    with progress(label, len(nb), "anchor") if label else nullcontext() as bar:
+
+        def into(start: int) -> None:
+            result = one(start)
+            tx[start : start + len(result.tx)] = result.tx
+            cond[start : start + len(result.cond)] = result.cond
+            if bar is not None:
+                bar.update(len(result.tx))
+
+        if n_workers > 1:
+            with torch_threads(1), ThreadPoolExecutor(n_workers) as pool:
+                list(pool.map(into, starts))
+        else:
+            for start in starts:
+                into(start)
     return LocalFit(tx=tx, cond=cond)
 
 
@@ -133,13 +139,15 @@ def _folds(groups: np.ndarray, n_folds: int) -> np.ndarray:
 
 
 def fit_layer(fn_class: str, x: np.ndarray, y: np.ndarray, groups: np.ndarray,
-              neighbours: np.ndarray | None, cfg: AnalysisConfig) -> LayerFit:
-    """T(x) at every kept token of one layer for one class, evaluated out of sample."""
+              neighbours: np.ndarray | None, cfg: AnalysisConfig, label: str | None = None) -> LayerFit:
+    """T(x) at every kept token of one layer for one class, evaluated out of sample. `label`
+    (e.g. "smollm2-135m layer 15: ") names the local fits' progress."""
     params = FitParams(rank=cfg.rank, ridge=cfg.ridge, orthogonal_scale=cfg.orthogonal_scale)
     dtype = torch_dtype(cfg.fit_dtype)
     if fn_class in LOCAL_FITTERS:
         assert neighbours is not None, "local classes need neighbours"
-        res = fit_local_batched(fn_class, x, y, neighbours, params, dtype, cfg.anchor_chunk, cfg.device)
+        res = fit_local_batched(fn_class, x, y, neighbours, params, dtype, cfg.anchor_chunk, cfg.device,
+                                label=f"{label}fit {fn_class}" if label is not None else None)
         tx = res.tx.cpu().numpy()
         cond = res.cond.cpu().numpy()
     else:
