@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from updatelens.orchestration.bench_driver import cmd_bench
+from updatelens.orchestration.output import print_frame
+
 if TYPE_CHECKING:
     import dagster as dg
 
@@ -65,14 +68,6 @@ def _settings(args: argparse.Namespace) -> dict[str, object]:
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     return settings
-
-
-def _print_frame(frame: object) -> None:
-    import polars as pl
-
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, tbl_hide_dataframe_shape=True,
-                   tbl_hide_column_data_types=True):
-        print(frame)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -145,10 +140,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"updatelens run: the run failed: {failures[0]}", file=sys.stderr)
         return 1
     print(f"\nPer-layer summary ({args.model}, config {cfg.config_id}; SQL view layer_summary):")
-    _print_frame(catalog.query(lens.root, SUMMARY_SQL, [args.model, cfg.config_id]))
+    print_frame(catalog.query(lens.root, SUMMARY_SQL, [args.model, cfg.config_id]))
     where = "of the launcher; the steps ran in the workers" if profile.per_layer_runs else "of this process"
     print(f"\npipeline wall time {wall:.1f} s, peak RSS {peak:.2f} GiB ({where}); "
           f"catalog {catalog.catalog_path(lens.root) or 'in memory (updatelens sql)'}")
+    if args.summary_json:  # for scripts (the bench): the same figures, machine-readable
+        Path(args.summary_json).write_text(json.dumps({"pipeline_s": wall, "peak_rss_gib": peak, "layers": todo,
+                                                       "model": args.model, "config_id": cfg.config_id}))
     with dg.DagsterInstance.get() as instance:
         return _reports([args.model], lens, instance)
 
@@ -188,7 +186,7 @@ def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterIn
             return 1
     base = reports_root(lens.root)
     print("\nFindings (SQL view findings):")
-    _print_frame(catalog.query(lens.root, "SELECT model, finding, fn_class, round(value, 3) AS value, threshold, "
+    print_frame(catalog.query(lens.root, "SELECT model, finding, fn_class, round(value, 3) AS value, threshold, "
                                           "holds FROM findings WHERE list_contains($1, model) ORDER BY model, finding",
                                [list(models)]))
     for model in models:
@@ -275,7 +273,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             print(f"updatelens sweep: the sweep failed: {failure_message(result)}", file=sys.stderr)
             return 1
         print(f"\nsweep wall time {time.perf_counter() - start:.1f} s. Sensitivity (SQL view sensitivity):")
-        _print_frame(catalog.query(lens.root, f"SELECT finding, convention, setting, fn_class, round(value, 3) AS value, "
+        print_frame(catalog.query(lens.root, f"SELECT finding, convention, setting, fn_class, round(value, 3) AS value, "
                                               f"holds, round(delta, 3) AS delta, flips FROM sensitivity "
                                               f"WHERE model = $1 ORDER BY finding, convention, setting", [args.model]))
         has_main = has_model(lens.root, "geometry", args.model)
@@ -308,7 +306,7 @@ def cmd_converge(args: argparse.Namespace) -> int:
         return 1
     print(f"\nconverge wall time {time.perf_counter() - start:.1f} s, peak RSS {_peak_rss_gib():.2f} GiB. "
           f"Convergence (SQL view convergence):")
-    _print_frame(convergence_table(lens, args.model))
+    print_frame(convergence_table(lens, args.model))
     return 0
 
 
@@ -341,7 +339,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     except (duckdb.Error, catalog.ReadOnlyError) as exc:
         print(f"updatelens sql: {exc}", file=sys.stderr)
         return 2
-    _print_frame(frame)
+    print_frame(frame)
     return 0
 
 
@@ -394,163 +392,21 @@ def cmd_ui(args: argparse.Namespace) -> int:
     return proc.wait()
 
 
-def _pipeline_run(layers: str, root: Path, home: Path, device: str = "cpu",
-                  settings: tuple[str, ...] = ()) -> tuple[float, float]:
-    """(pipeline wall s, peak RSS GiB) of `updatelens run --layers ...` in a fresh process."""
-    import re
+def cmd_notebook(args: argparse.Namespace) -> int:
+    """Open the exploration notebook (marimo) over the data root's catalog."""
+    import importlib.util
 
-    env = dict(os.environ, DAGSTER_HOME=str(home), HF_HUB_OFFLINE="1")
-    extra = [arg for setting in settings for arg in ("--set", setting)]
-    out = subprocess.run([sys.executable, "-m", "updatelens.orchestration.cli", "run", "--layers", layers, "--force",
-                          "--data-root", str(root), "--set", f"device={device}", *extra],
-                         env=env, capture_output=True, text=True, check=True).stdout
-    match = re.search(r"pipeline wall time ([0-9.]+) s, peak RSS ([0-9.]+) GiB", out)
-    if match is None:
-        raise RuntimeError(f"no timing line in the run's output:\n{out[-2000:]}")
-    return float(match.group(1)), float(match.group(2))
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    """Every hot stage against a reference measured in the same run; table + bench.json."""
-    import tempfile
-
-    import numpy as np
-    import torch
-
-    from updatelens.assets.resources import default_data_root
-    from updatelens.storage.location import is_url
-    from updatelens import bench
-    from updatelens.capture import capture, kept_mask
-    from updatelens.config import AnalysisConfig
-    from updatelens.corpus import make_sample
     from updatelens.errors import ConfigError
-    from updatelens.models import load_model
-    from updatelens.registry import get_corpus, get_model
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if is_url(args.data_root or default_data_root()):
-        print("updatelens bench: the bench writes to a local data root; pass --data-root PATH", file=sys.stderr)
-        return 2
-    root = Path(args.data_root or default_data_root())
-    if args.only == "scale":
-        return _bench_scale(args, root)
-    if args.only == "knn":
-        return _bench_knn(args, root)
-    cfg = AnalysisConfig(device=args.device)
-    try:
-        cfg.validate()
-    except ConfigError as exc:
-        print(f"updatelens bench: {exc}", file=sys.stderr)
-        return 2
-    if cfg.device != "cpu" and not torch.cuda.is_available():
-        print(f"updatelens bench: --device {cfg.device}, but torch sees no CUDA device", file=sys.stderr)
-        return 2
-    device = cfg.device
-    lm = load_model(get_model("smollm2-135m"), device=device)
-    sample = make_sample(get_corpus("wiki-embedded"), lm.tokenizer, cfg.n_seq, cfg.seq_len)
-    records = [bench.bench_capture(lm, sample.input_ids[:8])]
-    cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
-    kept = kept_mask(sample.attention_mask, True)
-    mid = lm.n_layers // 2
-    f64 = bench.matmul_flops(2048, torch.float64, device=device)
-    f32 = bench.matmul_flops(4096, torch.float32, device=device)
-    records += bench.bench_fits(cap.states[mid][kept], cap.states[mid + 1][kept], np.nonzero(kept)[0], cfg, f64, f32,
-                                device)
-    records += bench.bench_knn(cap.states[1:].reshape(-1, lm.d_model), cfg.k, device=device)
-    records.append(bench.bench_perturbation(lm, sample.input_ids, cap.states, cfg.patch_batch))
-    del cap
-    ns = tuple(int(n) for n in args.scaling_n.split(","))
-    scaling, scaling_records = bench.bench_scaling(ns, (288, 576, 1152), lm.d_model, args.scaling_d_at, cfg)
-    records += scaling_records
-    # End to end: two runs centred on the middle layer. A layer's cost falls linearly with its depth
-    # (its patched passes resume there), so the runs' per-layer cost is the mean over all layers:
-    # total = run of 2 + (L - 2) x (run of 6 - run of 2) / 4. RSS: the 6-layer run against the 2-layer one.
-    lo = mid - 1
-    with tempfile.TemporaryDirectory() as tmp:
-        t_a, rss_a = _pipeline_run(f"{lo}-{lo + 1}", Path(tmp) / "a", Path(tmp) / "home", device)
-        t_b, rss_b = _pipeline_run(f"{lo - 2}-{lo + 3}", Path(tmp) / "b", Path(tmp) / "home", device)
-    per_layer = (t_b - t_a) / 4
-    t_all = t_a + per_layer * (lm.n_layers - 2)
-    records.append(bench.Record("pipeline_peak_rss_gib", rss_b, "GiB", rss_a, rss_b / rss_a, "<= 3 GiB, flat in layers",
-                                rss_b <= 3 and rss_b / rss_a <= 1.1, "6-layer run vs 2-layer run (reference)", device))
-    records.append(bench.Record("pipeline_end_to_end_s", t_all, "s", None, None, "<= 480 s", t_all <= 480,
-                                f"estimated for {lm.n_layers} layers from runs of layers {lo}-{lo + 1} ({t_a:.0f} s) "
-                                f"and {lo - 2}-{lo + 3} ({t_b:.0f} s): {per_layer:.1f} s per layer", device))
-    print(bench.scaling_table(scaling))
-    print()
-    print(bench.table(records))
-    path = root / "bench" / "bench.json"
-    bench.write_json(records, path, scaling=scaling)
-    print(f"\nwritten {path}")
-    return 0
-
-
-def _bench_knn(args: argparse.Namespace, root: Path) -> int:
-    """Approximate k-NN at research scale on SmolLM2's real states: search settings tuned on one layer,
-    every method judged on another (ann.json: every point; bench_knn.json: the records)."""
-    from updatelens import bench
-    from updatelens.config import AnalysisConfig
-    from updatelens.corpus import make_sample
-    from updatelens.models import load_model
-    from updatelens.registry import get_corpus, get_model
-
-    tune_layer, judge_layer = (int(v) for v in args.ann_layers.split(","))
-    cfg = AnalysisConfig(device=args.device)
-    lm = load_model(get_model("smollm2-135m"), device=cfg.device)
-    sample = make_sample(get_corpus("wiki-embedded"), lm.tokenizer, args.ann_tokens // cfg.seq_len, cfg.seq_len)
-    start = time.perf_counter()
-    (tune_x, judge_x), groups = bench.layer_states(lm, sample.input_ids, sample.attention_mask,
-                                                   (tune_layer, judge_layer), cfg.capture_batch)
-    print(f"knn: captured layers {tune_layer} and {judge_layer}, {len(groups)} kept tokens, "
-          f"{time.perf_counter() - start:.0f} s", flush=True)
-    del lm
-    points, records = bench.bench_ann(tune_x, judge_x, groups, cfg.k, (tune_layer, judge_layer), cfg.device)
-    print()
-    print(bench.ann_table(points))
-    print()
-    print(bench.table(records))
-    bench.write_points_json(points, root / "bench" / "ann.json")
-    bench.write_json(records, root / "bench" / "bench_knn.json")
-    print(f"\nwritten {root / 'bench' / 'ann.json'} and bench_knn.json")
-    return 0
-
-
-def _bench_scale(args: argparse.Namespace, root: Path) -> int:
-    """One layer of the whole pipeline (the study's classes and controls) at each sample size, each in a
-    fresh process: peak RSS and wall time against N; scale.json and the records in bench_scale.json.
-    Each size's results stay under `<root>/convergence/n_seq=<n>/`: the runs are also a convergence
-    study of that layer (SQL view `convergence` over the bench's data root)."""
-    import tempfile
-
-    from updatelens.storage.layout import convergence_root
-    from updatelens import bench
-    from updatelens.config import PRESETS
-
-    sizes = sorted({int(t) for t in args.scale_tokens.split(",")})
-    study = PRESETS["study"]
-    settings = tuple(f"{key}={json.dumps(value)}" for key, value in study.items() if key != "n_seq")
-    points = []
-    for tokens in sizes:
-        n_seq = tokens // int(study["seq_len"])
-        with tempfile.TemporaryDirectory() as home:
-            wall, rss = _pipeline_run(str(args.scale_layer), Path(convergence_root(root, n_seq)), Path(home),
-                                      args.device, (*settings, f"n_seq={n_seq}"))
-        points.append(bench.ScalePoint(tokens, wall, rss))
-        print(f"scale: {tokens} tokens, layer {args.scale_layer}: {wall:.1f} s, peak RSS {rss:.2f} GiB", flush=True)
-    records = bench.scale_records(points, args.device)
-    print()
-    print(bench.table(records))
-    bench.write_points_json(points, root / "bench" / "scale.json")
-    bench.write_json(records, root / "bench" / "bench_scale.json")
-    print(f"\nwritten {root / 'bench' / 'scale.json'} and bench_scale.json")
-    from updatelens.storage import catalog
-
-    catalog.refresh(root)
-    print(f"\nThe runs as a convergence study of layer {args.scale_layer} (SQL view convergence):")
-    _print_frame(catalog.query(root, "SELECT finding, fn_class, n_tokens, round(value, 3) AS value, round(ci_lo, 3) "
-                                     "AS ci_lo, round(ci_hi, 3) AS ci_hi, verdict, threshold FROM convergence "
-                                     "ORDER BY finding, fn_class, n_tokens"))
-    return 0
+    if importlib.util.find_spec("marimo") is None or importlib.util.find_spec("altair") is None:
+        raise ConfigError("the notebook needs marimo and altair: pip install 'updatelens[notebook]'")
+    from updatelens.reports import notebook
+    env = dict(os.environ, UPDATELENS_DATA=str(args.data_root or os.environ.get("UPDATELENS_DATA", "data")))
+    cmd = [sys.executable, "-m", "marimo", "edit", notebook.__file__, "--host", args.host, "--port", str(args.port)]
+    if args.headless:
+        cmd.append("--headless")
+    print(" ".join(cmd), flush=True)
+    return subprocess.call(cmd, env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -579,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                           "run per layer on the cluster's workers")
     run.add_argument("--max-runs", dest="max_runs", type=int, default=4,
                      help="per-layer runs in flight at once (celery/k8s profiles)")
+    run.add_argument("--summary-json", dest="summary_json", metavar="PATH",
+                     help="also write the pipeline's wall time and peak memory to PATH as JSON")
     run.set_defaults(func=cmd_run)
 
     worker = sub.add_parser("worker", help="start a Celery worker for the celery profile (broker: "
@@ -609,6 +467,13 @@ def main(argv: list[str] | None = None) -> int:
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=3000)
     ui.set_defaults(func=cmd_ui)
+
+    nb = sub.add_parser("notebook", help="open the exploration notebook (marimo) over the stored results")
+    nb.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
+    nb.add_argument("--host", default="127.0.0.1")
+    nb.add_argument("--port", type=int, default=2718)
+    nb.add_argument("--headless", action="store_true", help="serve without opening a browser")
+    nb.set_defaults(func=cmd_notebook)
 
     rep = sub.add_parser("report", help="rebuild reports (HTML + PNG) from stored results, no recomputation")
     rep.add_argument("--model", help="registry slug (default: every model with results)")
@@ -664,7 +529,13 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    from updatelens.errors import UpdateLensError
+
+    try:
+        return int(args.func(args))
+    except UpdateLensError as exc:  # a problem of the input or the setup: its message, not a traceback
+        print(f"updatelens {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

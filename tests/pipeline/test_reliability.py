@@ -3,6 +3,7 @@ partial visible; concurrent runs do not interfere; reruns give identical results
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -183,9 +184,11 @@ def test_sigkill_mid_write_leaves_nothing_partial_and_the_rerun_completes(zoo: P
     for path in parquet_files(root):  # everything visible is whole
         pq.read_table(path)
     assert catalog.query(root, "SELECT count(*) AS n FROM residuals")["n"][0] == 3 * 2 * 6 * 15
-    rerun = cli(args, tmp_path / "home")
+    rerun = cli([*args, "--summary-json", str(tmp_path / "summary.json")], tmp_path / "home")
     out, _ = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, out
+    summary = json.loads((tmp_path / "summary.json").read_text())  # what the bench reads
+    assert summary["pipeline_s"] > 0 and 0 < summary["peak_rss_gib"] < 24 and summary["layers"] == [0, 1, 2]
     assert not list((root / STAGING).iterdir())  # the crashed run's staging dir was cleaned up
     assert catalog.query(root, "SELECT count(*) AS n FROM geometry")["n"][0] == 3 * 2 * 6 * 15
     again = cli(args, tmp_path / "home")

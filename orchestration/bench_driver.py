@@ -1,0 +1,172 @@
+"""The bench driver behind `updatelens bench`: loads the model, runs the engine's benchmarks
+(updatelens.bench) and whole pipeline runs in fresh processes, prints the tables and writes the
+records. Targets and measurements live in updatelens.bench; this module only drives them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from updatelens.orchestration.output import print_frame
+
+
+def _pipeline_run(layers: str, root: Path, home: Path, device: str = "cpu",
+                  settings: tuple[str, ...] = ()) -> tuple[float, float]:
+    """(pipeline wall s, peak RSS GiB) of `updatelens run --layers ...` in a fresh process, from the
+    summary it writes (--summary-json)."""
+    env = dict(os.environ, DAGSTER_HOME=str(home), HF_HUB_OFFLINE="1")
+    extra = [arg for setting in settings for arg in ("--set", setting)]
+    summary = Path(home) / "run-summary.json"
+    subprocess.run([sys.executable, "-m", "updatelens.orchestration.cli", "run", "--layers", layers, "--force",
+                    "--data-root", str(root), "--set", f"device={device}", *extra, "--summary-json", str(summary)],
+                   env=env, capture_output=True, text=True, check=True)
+    figures = json.loads(summary.read_text())
+    return float(figures["pipeline_s"]), float(figures["peak_rss_gib"])
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Every hot stage against a reference measured in the same run; table + bench.json."""
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from updatelens.assets.resources import default_data_root
+    from updatelens.storage.location import is_url
+    from updatelens import bench
+    from updatelens.capture import capture, kept_mask
+    from updatelens.config import AnalysisConfig
+    from updatelens.corpus import make_sample
+    from updatelens.errors import ConfigError
+    from updatelens.models import load_model
+    from updatelens.registry import get_corpus, get_model
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if is_url(args.data_root or default_data_root()):
+        print("updatelens bench: the bench writes to a local data root; pass --data-root PATH", file=sys.stderr)
+        return 2
+    root = Path(args.data_root or default_data_root())
+    if args.only == "scale":
+        return _bench_scale(args, root)
+    if args.only == "knn":
+        return _bench_knn(args, root)
+    cfg = AnalysisConfig(device=args.device)
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        print(f"updatelens bench: {exc}", file=sys.stderr)
+        return 2
+    if cfg.device != "cpu" and not torch.cuda.is_available():
+        print(f"updatelens bench: --device {cfg.device}, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    device = cfg.device
+    lm = load_model(get_model("smollm2-135m"), device=device)
+    sample = make_sample(get_corpus("wiki-embedded"), lm.tokenizer, cfg.n_seq, cfg.seq_len)
+    records = [bench.bench_capture(lm, sample.input_ids[:8])]
+    cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
+    kept = kept_mask(sample.attention_mask, True)
+    mid = lm.n_layers // 2
+    f64 = bench.matmul_flops(2048, torch.float64, device=device)
+    f32 = bench.matmul_flops(4096, torch.float32, device=device)
+    records += bench.bench_fits(cap.states[mid][kept], cap.states[mid + 1][kept], np.nonzero(kept)[0], cfg, f64, f32,
+                                device)
+    records += bench.bench_knn(cap.states[1:].reshape(-1, lm.d_model), cfg.k, device=device)
+    records.append(bench.bench_perturbation(lm, sample.input_ids, cap.states, cfg.patch_batch))
+    del cap
+    ns = tuple(int(n) for n in args.scaling_n.split(","))
+    scaling, scaling_records = bench.bench_scaling(ns, (288, 576, 1152), lm.d_model, args.scaling_d_at, cfg)
+    records += scaling_records
+    # End to end: two runs centred on the middle layer. A layer's cost falls linearly with its depth
+    # (its patched passes resume there), so the runs' per-layer cost is the mean over all layers:
+    # total = run of 2 + (L - 2) x (run of 6 - run of 2) / 4. RSS: the 6-layer run against the 2-layer one.
+    lo = mid - 1
+    with tempfile.TemporaryDirectory() as tmp:
+        t_a, rss_a = _pipeline_run(f"{lo}-{lo + 1}", Path(tmp) / "a", Path(tmp) / "home", device)
+        t_b, rss_b = _pipeline_run(f"{lo - 2}-{lo + 3}", Path(tmp) / "b", Path(tmp) / "home", device)
+    per_layer = (t_b - t_a) / 4
+    t_all = t_a + per_layer * (lm.n_layers - 2)
+    records.append(bench.Record("pipeline_peak_rss_gib", rss_b, "GiB", rss_a, rss_b / rss_a, "<= 3 GiB, flat in layers",
+                                rss_b <= 3 and rss_b / rss_a <= 1.1, "6-layer run vs 2-layer run (reference)", device))
+    records.append(bench.Record("pipeline_end_to_end_s", t_all, "s", None, None, "<= 480 s", t_all <= 480,
+                                f"estimated for {lm.n_layers} layers from runs of layers {lo}-{lo + 1} ({t_a:.0f} s) "
+                                f"and {lo - 2}-{lo + 3} ({t_b:.0f} s): {per_layer:.1f} s per layer", device))
+    print(bench.scaling_table(scaling))
+    print()
+    print(bench.table(records))
+    path = root / "bench" / "bench.json"
+    bench.write_json(records, path, scaling=scaling)
+    print(f"\nwritten {path}")
+    return 0
+
+
+def _bench_knn(args: argparse.Namespace, root: Path) -> int:
+    """Approximate k-NN at research scale on SmolLM2's real states: search settings tuned on one layer,
+    every method judged on another (ann.json: every point; bench_knn.json: the records)."""
+    from updatelens import bench
+    from updatelens.config import AnalysisConfig
+    from updatelens.corpus import make_sample
+    from updatelens.models import load_model
+    from updatelens.registry import get_corpus, get_model
+
+    tune_layer, judge_layer = (int(v) for v in args.ann_layers.split(","))
+    cfg = AnalysisConfig(device=args.device)
+    lm = load_model(get_model("smollm2-135m"), device=cfg.device)
+    sample = make_sample(get_corpus("wiki-embedded"), lm.tokenizer, args.ann_tokens // cfg.seq_len, cfg.seq_len)
+    start = time.perf_counter()
+    (tune_x, judge_x), groups = bench.layer_states(lm, sample.input_ids, sample.attention_mask,
+                                                   (tune_layer, judge_layer), cfg.capture_batch)
+    print(f"knn: captured layers {tune_layer} and {judge_layer}, {len(groups)} kept tokens, "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    del lm
+    points, records = bench.bench_ann(tune_x, judge_x, groups, cfg.k, (tune_layer, judge_layer), cfg.device)
+    print()
+    print(bench.ann_table(points))
+    print()
+    print(bench.table(records))
+    bench.write_points_json(points, root / "bench" / "ann.json")
+    bench.write_json(records, root / "bench" / "bench_knn.json")
+    print(f"\nwritten {root / 'bench' / 'ann.json'} and bench_knn.json")
+    return 0
+
+
+def _bench_scale(args: argparse.Namespace, root: Path) -> int:
+    """One layer of the whole pipeline (the study's classes and controls) at each sample size, each in a
+    fresh process: peak RSS and wall time against N; scale.json and the records in bench_scale.json.
+    Each size's results stay under `<root>/convergence/n_seq=<n>/`: the runs are also a convergence
+    study of that layer (SQL view `convergence` over the bench's data root)."""
+    import tempfile
+
+    from updatelens.storage.layout import convergence_root
+    from updatelens import bench
+    from updatelens.config import PRESETS
+
+    sizes = sorted({int(t) for t in args.scale_tokens.split(",")})
+    study = PRESETS["study"]
+    settings = tuple(f"{key}={json.dumps(value)}" for key, value in study.items() if key != "n_seq")
+    points = []
+    for tokens in sizes:
+        n_seq = tokens // int(study["seq_len"])
+        with tempfile.TemporaryDirectory() as home:
+            wall, rss = _pipeline_run(str(args.scale_layer), Path(convergence_root(root, n_seq)), Path(home),
+                                      args.device, (*settings, f"n_seq={n_seq}"))
+        points.append(bench.ScalePoint(tokens, wall, rss))
+        print(f"scale: {tokens} tokens, layer {args.scale_layer}: {wall:.1f} s, peak RSS {rss:.2f} GiB", flush=True)
+    records = bench.scale_records(points, args.device)
+    print()
+    print(bench.table(records))
+    bench.write_points_json(points, root / "bench" / "scale.json")
+    bench.write_json(records, root / "bench" / "bench_scale.json")
+    print(f"\nwritten {root / 'bench' / 'scale.json'} and bench_scale.json")
+    from updatelens.storage import catalog
+
+    catalog.refresh(root)
+    print(f"\nThe runs as a convergence study of layer {args.scale_layer} (SQL view convergence):")
+    print_frame(catalog.query(root, "SELECT finding, fn_class, n_tokens, round(value, 3) AS value, round(ci_lo, 3) "
+                                     "AS ci_lo, round(ci_hi, 3) AS ci_hi, verdict, threshold FROM convergence "
+                                     "ORDER BY finding, fn_class, n_tokens"))
+    return 0
