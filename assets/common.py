@@ -138,6 +138,15 @@ def engine_logs(dagster_log: logging.Logger) -> Iterator[None]:
         engine.setLevel(level)
 
 
+# New (model, layer) partitions materialize and each stage follows its upstream's updates (eager);
+# eager() only acts on what becomes missing after the sensor's first evaluation, so partitions
+# already missing then (a registry read before the first evaluation) are requested once too. The
+# UI's Automation tab says for every partition which part held.
+STAGE_AUTOMATION = (dg.AutomationCondition.eager()
+                    | (dg.AutomationCondition.initial_evaluation() & dg.AutomationCondition.missing()
+                       & ~dg.AutomationCondition.in_progress()).with_label("missing at the first evaluation"))
+
+
 def stage_asset(fn):  # noqa: ANN001, ANN201 - a decorator
     """A stage's asset, from its description in updatelens.stages (the function's name is the
     stage's): (model, layer) partitions, single-run backfills (a model's key range runs in one
@@ -155,9 +164,7 @@ def stage_asset(fn):  # noqa: ANN001, ANN201 - a decorator
         name=stage.name,
         partitions_def=MODEL_LAYER,
         backfill_policy=dg.BackfillPolicy.single_run(),
-        # new (model, layer) partitions materialize, and each stage follows its upstream's updates;
-        # the UI's Automation tab says for every partition why it ran or did not
-        automation_condition=dg.AutomationCondition.eager(),
+        automation_condition=STAGE_AUTOMATION,
         group_name=stage.group,
         code_version=CODE_VERSION,
         kinds=set(stage.kinds),

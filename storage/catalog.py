@@ -260,7 +260,7 @@ def _parquet_view(name: str, files: list[str], hive_types: str, select: str = "*
             f"hive_partitioning = true, union_by_name = true, hive_types = {{{hive_types}}})")
 
 
-# Per-token tables whose views carry each token's text (`token`, `context`) from `tokens`. The
+# Per-token tables whose views carry each token (`token_id`, `token`, `context`) from `tokens`. The
 # others stay plain: layer_summary and the findings aggregate `geometry` and need no join.
 WITH_TEXT = ("residuals", "functional_metrics")
 
@@ -269,7 +269,7 @@ def _text_view(name: str, files: list[str], hive_types: str) -> str:
     """A per-token view with the token's text joined from the `tokens` view (same model, layer,
     corpus slice, sequence and position)."""
     listed = ", ".join(_sql_string(f) for f in files)
-    return (f"CREATE OR REPLACE VIEW {name} AS SELECT m.*, t.token, t.context FROM read_parquet([{listed}], "
+    return (f"CREATE OR REPLACE VIEW {name} AS SELECT m.*, t.token_id, t.token, t.context FROM read_parquet([{listed}], "
             f"hive_partitioning = true, union_by_name = true, hive_types = {{{hive_types}}}) m "
             f"LEFT JOIN tokens t ON t.model = m.model AND t.layer = m.layer AND t.corpus_slice = m.corpus_slice "
             f"AND t.seq = m.seq AND t.pos = m.pos")

@@ -47,7 +47,7 @@ def test_jobs_and_resources() -> None:
     assert {k.to_user_string() for k in analyse.asset_layer.selected_asset_keys} == set(LINEAGE)
     assert {j.name for j in defs.resolve_all_job_defs()} >= {"analyse", "build_report", "build_comparison",
                                                                "sweep_conventions"}
-    assert {s.name for s in defs.sensors} == {"model_registry_sensor", "reports_after_analysis"}
+    assert {s.name for s in defs.sensors} == {"model_registry_sensor", "stage_automation", "reports_after_analysis"}
     lens = defs.resources["lens"]
     assert lens.config().classes == ("diagonal", "lowrank")
 

@@ -47,9 +47,8 @@ def lens(zoo: Path, tmp_path: Path) -> UpdateLensResource:
 def automation(instance: dg.DagsterInstance, cursor: object = None) -> tuple[dict[str, list[str]], object]:
     """One tick of the stage assets' declarative automation: {asset: requested partition keys}."""
     result = dg.evaluate_automation_conditions(defs, instance, cursor=cursor)
-    requested = {r.asset_key.to_user_string(): sorted(r.true_subset.expensively_compute_partition_keys())
-                 for r in result.results if r.true_subset.size}
-    return requested, result.cursor
+    requested = {stage: sorted(result.get_requested_partitions(dg.AssetKey(stage))) for stage in STAGES}
+    return {stage: keys for stage, keys in requested.items() if keys}, result.cursor
 
 
 STAGES = ["activations", "local_fits", "residuals", "geometry", "functional_metrics"]
@@ -58,11 +57,13 @@ STAGES = ["activations", "local_fits", "residuals", "geometry", "functional_metr
 def test_a_new_model_gets_partitions_from_the_sensor_and_runs_from_automation(zoo: Path,
                                                                                lens: UpdateLensResource) -> None:
     instance = dg.DagsterInstance.ephemeral()
+    requested, cursor = automation(instance)  # the automation sensor runs before any model is known
+    assert requested == {}
     first = tick(instance, lens, None)
     assert not first.run_requests  # the sensor only reads the registry and adds partitions
     assert instance.get_dynamic_partitions(MODEL_LAYER.name) == model_keys("tiny-gpt2", 3)
     assert instance.get_dynamic_partitions("models") == ["tiny-gpt2"]  # the report's and sweep's key
-    requested, cursor = automation(instance)
+    requested, cursor = automation(instance, cursor)
     assert requested == {stage: model_keys("tiny-gpt2", 3) for stage in STAGES}  # every stage, every layer
     assert automation(instance, cursor)[0] == {}  # requested once, not again on the next tick
 
@@ -79,6 +80,14 @@ def test_a_new_model_gets_partitions_from_the_sensor_and_runs_from_automation(zo
     removed = tick(instance, lens, added.cursor)
     assert not removed.run_requests
     assert "tiny-gpt2" not in removed.cursor
+
+
+def test_partitions_added_before_the_first_evaluation_are_requested_too(lens: UpdateLensResource) -> None:
+    instance = dg.DagsterInstance.ephemeral()
+    tick(instance, lens, None)  # the registry sensor ticked first
+    requested, cursor = automation(instance)
+    assert requested == {stage: model_keys("tiny-gpt2", 3) for stage in STAGES}
+    assert automation(instance, cursor)[0] == {}
 
 
 def test_a_changed_source_reruns_its_stale_partitions_one_run_per_layer_under_a_cluster_profile(

@@ -60,7 +60,8 @@ def test_a_view_is_made_of_the_files_still_in_place_when_one_vanished_after_veri
     """A run replacing a partition can move its verified file aside just before DuckDB opens it."""
     import pyarrow.parquet as pq
 
-    kept, gone = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    kept, gone = (tmp_path / "model=m" / f"layer={layer}" / "part-0.parquet" for layer in (1, 2))
+    kept.parent.mkdir(parents=True)
     pq.write_table(pa.table({"v": [1, 2]}), kept)
     with duckdb.connect() as con:
         made = catalog._create_view(con, "t", [str(kept), str(gone)], lambda files: catalog._parquet_view(
