@@ -7,7 +7,7 @@ import dagster as dg
 from updatelens.assets.pipeline import ASSETS, PER_MODEL_ASSETS
 from updatelens.orchestration.deployments import Profile, active_profile, executor_for
 from updatelens.orchestration.jobs import JOBS
-from updatelens.assets.resources import UpdateLensResource
+from updatelens.assets.resources import UpdateLensResource, default_settings
 from updatelens.orchestration.schedules import stale_partitions_schedule
 from updatelens.orchestration.sensors import model_registry_sensor, reports_after_analysis, stage_automation_sensor
 
@@ -20,7 +20,9 @@ def build_defs(profile: Profile) -> dg.Definitions:
         jobs=JOBS,
         sensors=[model_registry_sensor, stage_automation_sensor, reports_after_analysis],
         schedules=[stale_partitions_schedule],
-        resources={"lens": UpdateLensResource()},
+        # the settings bound explicitly: Dagster's config schema takes a nested config's class defaults,
+        # not a default_factory's value, so $UPDATELENS_SETTINGS would not reach the runs otherwise
+        resources={"lens": UpdateLensResource(analysis=default_settings())},
         executor=executor_for(profile),
     )
 

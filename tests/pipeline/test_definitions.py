@@ -85,6 +85,17 @@ def test_deployment_profiles_select_the_executor_and_route_steps(monkeypatch) ->
         assert ("nvidia.com/gpu" in resources["requests"]) == (queue == "gpu"), step
 
 
+def test_automated_runs_use_the_code_locations_settings(monkeypatch) -> None:  # noqa: ANN001
+    """What a run launched by a sensor or by automation gets: the resource's config defaults."""
+    from updatelens.orchestration.definitions import build_defs
+    from updatelens.orchestration.deployments import active_profile
+
+    monkeypatch.setenv("UPDATELENS_SETTINGS", '{"n_seq": 6, "seq_len": 16}')
+    lens = build_defs(active_profile()).resolve_job_def("analyse").resource_defs["lens"]
+    analysis = lens.config_schema.as_field().default_value["analysis"]
+    assert (analysis["n_seq"], analysis["seq_len"]) == (6, 16)
+
+
 def test_the_stage_description_drives_the_assets_and_every_check_belongs_to_a_stage() -> None:
     from updatelens.assets.checks import CHECK_DEFS
     from updatelens.stages import STAGES
