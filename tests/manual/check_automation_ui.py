@@ -28,10 +28,14 @@ from tests.zoo import build_zoo
 RUNS = "{ runsOrError { ... on Runs { results { runId status tags { key value } } } } }"
 EVALUATIONS = """
 { assetConditionEvaluationRecordsOrError(assetKey: {path: ["activations"]}, limit: 5) {
-    ... on AssetConditionEvaluationRecords { records { evaluationId numRequested timestamp
-        evaluation { rootUniqueId evaluationNodes { uniqueId userLabel expandedLabel numTrue } } } } } }
+    ... on AssetConditionEvaluationRecords { records { evaluationId numRequested timestamp runIds
+        rootUniqueId evaluationNodes { uniqueId userLabel expandedLabel numTrue } } } } }
 """
-CODE_VERSIONS = '{ assetNodes { assetKey { path } opVersion } }'
+CODE_VERSIONS = """
+{ assetNodes(assetKeys: [{path: ["activations"]}, {path: ["local_fits"]}, {path: ["functional_metrics"]}]) {
+    assetKey { path } opVersion staleStatus(partition: "tiny-gpt2:00")
+    staleCauses(partition: "tiny-gpt2:00") { category reason } } }
+"""
 
 
 def wait_for(what: str, probe, timeout: float = 600.0, every: float = 5.0):  # noqa: ANN001, ANN201
@@ -105,6 +109,11 @@ def main(out: Path) -> None:
             record["code_versions_after"] = graphql(port, CODE_VERSIONS)["data"]["assetNodes"]
             screenshot(f"http://127.0.0.1:{port}/assets/activations", out / "code_changed.png",
                        work / "profile-code")
+            screenshot(f"http://127.0.0.1:{port}/assets/activations?view=partitions", out / "code_changed_partitions.png",
+                       work / "profile-partitions")
+            time.sleep(40)  # one more automation tick under the new code
+            record["evaluations_after_code_change"] = graphql(port, EVALUATIONS)["data"][
+                "assetConditionEvaluationRecordsOrError"]
             screenshot(f"http://127.0.0.1:{port}/asset-groups", out / "graph_code_changed.png", work / "profile-graph")
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
