@@ -90,6 +90,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["DAGSTER_HOME"] = str(project_dagster_home())
+    if sys.stderr.isatty():  # progress bars on this terminal (Dagster captures the steps' stderr)
+        os.environ.setdefault("UPDATELENS_PROGRESS", "tty")
     try:
         profile = active_profile(args.profile)
         os.environ[PROFILE_ENV] = profile.name  # the run processes and their workers build the same executor

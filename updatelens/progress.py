@@ -7,8 +7,9 @@ draws a tqdm bar (rate and time left); whatever the terminal, it logs a line thr
 time left, so an orchestrator that captures Python logging (Dagster: see
 `updatelens.assets.common.engine_logs`) shows the progress of a run step by step.
 
-$UPDATELENS_PROGRESS: `auto` (default: a bar only when stderr is a terminal), `bar` (always) or
-`off` (no bar; the log lines stay).
+$UPDATELENS_PROGRESS: `auto` (default: a bar when stderr is a terminal), `bar` (always, on stderr),
+`tty` (on the controlling terminal: what `updatelens run` sets when started from one, because
+Dagster captures a step's stderr into its log files) or `off` (no bar; the log lines stay).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TextIO
 
 from tqdm.auto import tqdm
 
@@ -28,9 +30,19 @@ PROGRESS_ENV = "UPDATELENS_PROGRESS"
 QUIET_S = 5.0  # no intermediate log lines before this much time has passed
 
 
-def _bar_wanted() -> bool:
+def _open_tty() -> TextIO | None:
+    try:
+        return open("/dev/tty", "w")  # noqa: SIM115 - closed with the bar
+    except OSError:  # no controlling terminal
+        return None
+
+
+def _bar_file() -> TextIO | None:
+    """Where the bar goes, or None for no bar."""
     mode = os.environ.get(PROGRESS_ENV, "auto")
-    return mode == "bar" or (mode == "auto" and sys.stderr.isatty())
+    if mode == "bar" or (mode == "auto" and sys.stderr.isatty()):
+        return sys.stderr
+    return _open_tty() if mode == "tty" else None
 
 
 def _duration(seconds: float) -> str:
@@ -49,8 +61,9 @@ class Progress:
         self.started = time.perf_counter()
         self._step = max(1, int(self.total * log_every)) if self.total else 1
         self._next_log = self._step
-        self._bar = tqdm(total=self.total, desc=desc, unit=unit, leave=False, dynamic_ncols=True) \
-            if _bar_wanted() and self.total else None
+        self._file = _bar_file() if self.total else None
+        self._bar = tqdm(total=self.total, desc=desc, unit=unit, leave=False, dynamic_ncols=True, file=self._file) \
+            if self._file is not None else None
 
     def line(self) -> str:
         """`desc: done/total unit (pct%), rate unit/s, time left m:ss` for the work so far."""
@@ -78,6 +91,8 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        if self._file is not None and self._file not in (sys.stderr, sys.stdout):
+            self._file.close()
 
 
 @contextmanager

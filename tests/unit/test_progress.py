@@ -61,3 +61,22 @@ def test_engine_logs_reach_the_dagster_step_log() -> None:
         engine.debug("not shown")
     engine.info("after the step")
     assert seen == [("info", "capture: 8/8 seq"), ("warning", "slow")]
+
+
+def test_tty_mode_draws_on_the_terminal_and_closes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    class Terminal(io.StringIO):
+        def close(self) -> None:
+            self.seen = self.getvalue()
+            super().close()
+
+    terminal = Terminal()
+    monkeypatch.setenv("UPDATELENS_PROGRESS", "tty")
+    monkeypatch.setattr(progress_module, "_open_tty", lambda: terminal)
+    with progress("capture", 4, "seq") as bar:
+        bar.update(4)
+    assert "capture" in terminal.seen and terminal.closed
+    monkeypatch.setattr(progress_module, "_open_tty", lambda: None)  # no controlling terminal: no bar
+    with progress("capture", 4, "seq") as bar:
+        bar.update(4)
