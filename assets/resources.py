@@ -7,7 +7,6 @@ source of truth for names and defaults); the launchpad shows them under `resourc
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,8 @@ from upath import UPath
 
 from updatelens.assets.checks import CheckSettings
 from updatelens.storage.location import as_root
-from updatelens.config import AnalysisConfig
+from updatelens.config import AnalysisConfig, json_object_env
 from updatelens.corpus import Sample, make_sample
-from updatelens.errors import ConfigError
 from updatelens.models import LoadedModel, load_model
 from updatelens.registry import get_corpus, get_model, registry_path
 
@@ -55,15 +53,9 @@ def default_settings() -> Any:
     """The code location's analysis settings: the engine's defaults, overridden by the JSON object in
     $UPDATELENS_SETTINGS (e.g. '{"n_seq": 64, "classes": ["lowrank"]}'): what automated runs (sensors,
     declarative automation, schedules) use unless a launch gives its own config."""
-    raw = os.environ.get(SETTINGS_ENV)
-    if not raw:
+    values = json_object_env(SETTINGS_ENV)
+    if values is None:
         return AnalysisSettings()
-    try:
-        values = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"${SETTINGS_ENV} is not valid JSON: {exc}") from exc
-    if not isinstance(values, dict):
-        raise ConfigError(f"${SETTINGS_ENV} must be a JSON object of analysis settings")
     AnalysisConfig.from_dict(values)  # unknown or invalid settings fail here, with their names
     return AnalysisSettings(**values)
 

@@ -10,7 +10,6 @@ so every worker of a cluster builds the same filesystem from its environment.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import fsspec
 from upath import UPath
 
+from updatelens.config import json_object_env
 from updatelens.errors import ConfigError
 
 STORAGE_OPTIONS_ENV = "UPDATELENS_STORAGE_OPTIONS"
@@ -36,15 +36,7 @@ def storage_options(protocol: str) -> dict[str, object]:
         # explicit, so fsspec's instance cache (keyed by these options) never hands out a
         # filesystem bound to another endpoint than the environment's current one
         options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
-    raw = os.environ.get(STORAGE_OPTIONS_ENV)
-    if raw:
-        try:
-            extra = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{STORAGE_OPTIONS_ENV} is not valid JSON: {exc}") from exc
-        if not isinstance(extra, dict):
-            raise ConfigError(f"{STORAGE_OPTIONS_ENV} must be a JSON object, got {type(extra).__name__}")
-        options.update(extra)
+    options.update(json_object_env(STORAGE_OPTIONS_ENV) or {})
     return options
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 
 from updatelens.errors import ConfigError
@@ -20,6 +21,21 @@ PATCH_MODES = ("all", "single")
 CONTROLS = ("random", "crude", "identity")
 # settings that change how the work is batched, never the numbers: left out of config_id
 EXECUTION_KEYS = ("anchor_chunk", "patch_batch", "capture_batch", "kl_block")
+
+
+def json_object_env(name: str) -> dict[str, object] | None:
+    """The JSON object held by environment variable `name`; None when it is unset or empty. A value
+    that is not valid JSON, or not an object, is a ConfigError naming the variable."""
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"${name} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"${name} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True)
