@@ -253,11 +253,16 @@ def _sql_string(value: object) -> str:
     return "'" + str(value).replace("'", "''") + "'"
 
 
-def _parquet_view(name: str, files: list[str], hive_types: str, select: str = "*") -> str:
-    """A view over an explicit list of verified files (hive keys read from their paths)."""
+def _read_parquet(files: list[str], hive_types: str) -> str:
+    """The table expression over an explicit list of verified files (hive keys read from their paths)."""
     listed = ", ".join(_sql_string(f) for f in files)
-    return (f"CREATE OR REPLACE VIEW {name} AS SELECT {select} FROM read_parquet([{listed}], "
-            f"hive_partitioning = true, union_by_name = true, hive_types = {{{hive_types}}})")
+    return (f"read_parquet([{listed}], hive_partitioning = true, union_by_name = true, "
+            f"hive_types = {{{hive_types}}})")
+
+
+def _parquet_view(name: str, files: list[str], hive_types: str, select: str = "*") -> str:
+    """A view over an explicit list of verified files."""
+    return f"CREATE OR REPLACE VIEW {name} AS SELECT {select} FROM {_read_parquet(files, hive_types)}"
 
 
 # Per-token tables whose views carry each token (`token_id`, `token`, `context`) from `tokens`. The
@@ -268,11 +273,9 @@ WITH_TEXT = ("residuals", "functional_metrics")
 def _text_view(name: str, files: list[str], hive_types: str) -> str:
     """A per-token view with the token's text joined from the `tokens` view (same model, layer,
     corpus slice, sequence and position)."""
-    listed = ", ".join(_sql_string(f) for f in files)
-    return (f"CREATE OR REPLACE VIEW {name} AS SELECT m.*, t.token_id, t.token, t.context FROM read_parquet([{listed}], "
-            f"hive_partitioning = true, union_by_name = true, hive_types = {{{hive_types}}}) m "
-            f"LEFT JOIN tokens t ON t.model = m.model AND t.layer = m.layer AND t.corpus_slice = m.corpus_slice "
-            f"AND t.seq = m.seq AND t.pos = m.pos")
+    return (f"CREATE OR REPLACE VIEW {name} AS SELECT m.*, t.token_id, t.token, t.context FROM "
+            f"{_read_parquet(files, hive_types)} m LEFT JOIN tokens t ON t.model = m.model AND t.layer = m.layer "
+            f"AND t.corpus_slice = m.corpus_slice AND t.seq = m.seq AND t.pos = m.pos")
 
 
 MAIN_HIVE = "'model': VARCHAR, 'layer': INTEGER"
