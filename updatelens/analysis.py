@@ -209,12 +209,10 @@ def layer_neighbours(data: LayerData | Transition, cfg: AnalysisConfig) -> np.nd
                cfg.ann_threshold)
 
 
-def compute_fits(data: LayerData | Transition, cfg: AnalysisConfig,
-                 label: str | None = None) -> tuple[dict[str, LayerFit], np.ndarray | None]:
-    """Neighbours and every class's fits of one layer; `label` names their progress (fits.fit_layer)."""
+def compute_fits(data: LayerData | Transition, cfg: AnalysisConfig) -> tuple[dict[str, LayerFit], np.ndarray | None]:
     x, y, seq = data.x, data.y, data.seq
     neighbours = layer_neighbours(data, cfg)
-    fits = {c: fit_layer(c, x, y, seq, neighbours, cfg, label) for c in cfg.classes}
+    fits = {c: fit_layer(c, x, y, seq, neighbours, cfg) for c in cfg.classes}
     return fits, neighbours
 
 
