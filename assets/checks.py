@@ -416,13 +416,14 @@ def check_blown_up_fits(residuals: pa.Table, settings: CheckSettings) -> Verdict
 DRIFT_QUANTILES = (0.1, 0.5, 0.9)
 
 
+def _drift_quantiles(rel: np.ndarray) -> list[float]:
+    return [float(q) for q in np.quantile(rel[np.isfinite(rel)], DRIFT_QUANTILES)]
+
+
 def rel_err_quantiles(residuals: pa.Table) -> dict[str, list[float]]:
     """The relative error's DRIFT_QUANTILES per class of a residuals partition (fn_class, rel_err)."""
-    out = {}
-    for fn_class in dict.fromkeys(residuals["fn_class"].to_pylist()):
-        rel = residuals.filter(pc.equal(residuals["fn_class"], fn_class))["rel_err"].to_numpy()
-        out[fn_class] = [float(q) for q in np.quantile(rel[np.isfinite(rel)], DRIFT_QUANTILES)]
-    return out
+    return {fn_class: _drift_quantiles(residuals.filter(pc.equal(residuals["fn_class"], fn_class))["rel_err"].to_numpy())
+            for fn_class in dict.fromkeys(residuals["fn_class"].to_pylist())}
 
 
 def check_rel_err_drift(residuals: pa.Table, previous: dict[str, list[float]] | None,
@@ -442,7 +443,7 @@ def check_rel_err_drift(residuals: pa.Table, previous: dict[str, list[float]] | 
             "column": "rel_err", "quantile_ranges": {"quantiles": list(DRIFT_QUANTILES), "value_ranges": ranges}})])
         verdict.evaluated.append(f"rel_err_drift({fn_class})")
         if not result.passed:
-            now = rel_err_quantiles(residuals.filter(pc.equal(residuals["fn_class"], fn_class)))[fn_class]
+            now = _drift_quantiles(part["rel_err"].to_numpy())
             verdict.failures.append(
                 f"{fn_class}: relative error quantiles (10/50/90 %) moved from "
                 f"{', '.join(f'{q:.3g}' for q in before)} to {', '.join(f'{q:.3g}' for q in now)} "
