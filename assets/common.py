@@ -150,8 +150,9 @@ STAGE_AUTOMATION = (dg.AutomationCondition.eager()
 def stage_asset(fn):  # noqa: ANN001, ANN201 - a decorator
     """A stage's asset, from its description in updatelens.stages (the function's name is the
     stage's): (model, layer) partitions, single-run backfills (a model's key range runs in one
-    process, also when declarative automation requests it), eager automation, the engine's code version, the stage's checks, its upstream stage, and where its step
-    may run (a stage that holds the model joins the `model` pool and goes to GPU workers: routing)."""
+    process, also when declarative automation requests it), eager automation, the engine's code
+    version, the stage's checks, its upstream stage, and where its step may run (a stage that holds
+    the model joins the `model` pool and goes to GPU workers: routing)."""
     stage = BY_NAME[fn.__name__]
     before = upstream(stage.name)
 
