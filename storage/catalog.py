@@ -23,8 +23,10 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
+from updatelens.findings import FINDINGS, STATISTICS, Finding
 from updatelens.storage.integrity import Damaged, scan
-from updatelens.storage.layout import CONVERGENCE, SWEEPS, SWEEP_TABLES, TABLES, has_sweep_runs, sweep_runs_pattern
+from updatelens.stages import SWEEP_TABLES, TABLES
+from updatelens.storage.layout import CONVERGENCE, SWEEPS, has_sweep_runs, sweep_runs_pattern
 from updatelens.storage.location import as_root, is_local
 
 CATALOG_FILE = "updatelens.duckdb"
@@ -75,20 +77,14 @@ ALTERNATIVE_MEASURES = (
     ("4 norm", "4", "error measure", "‖r‖", "relative error"),
 )
 
-# The paper's findings (docs/method.md), each measured per (model, config, class), with the threshold
-# that decides whether it holds. Plain SQL over per-layer statistics, so a reader can see how every
-# figure is derived. The statistics come once from `layer_summary` and `spectra` (replicate -1: the
-# point estimate) and once per bootstrap resample of the sequences from `layer_replicates`
+# The paper's findings, declared in `updatelens.findings` (claim, measure, threshold and its source),
+# each measured per (model, config, class) in plain SQL over per-layer statistics, so a reader can see
+# how every figure is derived. The statistics come once from `layer_summary` and `spectra` (replicate
+# -1: the point estimate) and once per bootstrap resample of the sequences from `layer_replicates`
 # (replicate 0, 1, ...); every finding is computed on each, and its 95% interval is the 2.5% and
 # 97.5% quantiles of the resamples' values. `verdict` is 'holds' or 'fails' when the whole interval
 # is on one side of the threshold, 'undecided' when it straddles it, NULL without resamples.
 # `findings` keeps the class with the lowest median relative error.
-# Each class's median over layers of its median relative error: picks the best class (findings)
-# and measures finding 5.
-STATISTICS = ("rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median", "frac_res_angle_gt60",
-              "frac_res_tok_angle_gt60", "proj_res_m16", "spearman_relerr_kl", "spearman_normres_kl",
-              "rank_full", "rank_tok", "rank_res")
-
 POINT_STATS_SQL = """
 SELECT ls.model, ls.config_id, ls.fn_class, ls.layer, -1 AS replicate,
        {columns}, r.rank_full, r.rank_tok, r.rank_res
@@ -113,69 +109,14 @@ FROM {geometry_bootstrap} g LEFT JOIN {functional_bootstrap} f USING (model, lay
 FINDINGS_BY_CLASS_SQL = """
 CREATE OR REPLACE VIEW {name} AS
 WITH stats AS ({stats}),
-per_class AS (
-    SELECT model, config_id, replicate, fn_class, median(rel_err_median) AS err
-    FROM stats GROUP BY model, config_id, replicate, fn_class
-), b AS (
+b AS (
     SELECT stats.*, max(layer) OVER (PARTITION BY model, config_id, replicate) + 1 AS n_layers FROM stats
-), classes AS (
-    SELECT model, config_id, replicate,
-           max(CASE WHEN fn_class = 'diagonal' THEN err END) - max(CASE WHEN fn_class = 'lowrank' THEN err END) AS gap
-    FROM per_class GROUP BY model, config_id, replicate
-), depth AS (
-    SELECT model, config_id, replicate, fn_class,
-           avg(CASE WHEN layer >= n_layers / 3 AND layer < 2 * n_layers / 3 THEN rel_err_median END)
-         - avg(CASE WHEN layer < n_layers / 3 OR layer >= 2 * n_layers / 3 THEN rel_err_median END) AS gap
-    FROM b GROUP BY model, config_id, replicate, fn_class
 ), f AS (
-    SELECT model, config_id, replicate, fn_class, '1' AS finding, 'the full update is aligned with the tokenwise update' AS statement,
-           'median over layers of median cos(Δ_full, Δ_tok), update form' AS measure,
-           median(cos_full_tok_median) AS value, '>= 0.9' AS threshold, '>=' AS op, 0.9 AS bound
-    FROM b GROUP BY ALL
-    UNION ALL
-    SELECT model, config_id, replicate, fn_class, '1 map', 'the full update is aligned with the tokenwise update',
-           'median over layers of median cos(y, T(x)), map form', median(cos_full_tok_map_median), '>= 0.9', '>=', 0.9
-    FROM b GROUP BY ALL
-    UNION ALL
-    SELECT model, config_id, replicate, fn_class, '2 angle', 'the residual deviates by large angles',
-           'mean over layers of the share of tokens with angle(Δ_full, r) > 60°', avg(frac_res_angle_gt60),
-           '>= 0.5', '>=', 0.5
-    FROM b GROUP BY ALL
-    UNION ALL
-    SELECT model, config_id, replicate, fn_class, '2 angle vs tok', 'the residual deviates by large angles',
-           'mean over layers of the share of tokens with angle(Δ_tok, r) > 60°', avg(frac_res_tok_angle_gt60),
-           '>= 0.5', '>=', 0.5
-    FROM b GROUP BY ALL
-    UNION ALL
-    SELECT model, config_id, replicate, fn_class, '2 projection', 'the residual projects little onto the tokenwise subspace',
-           'mean over layers of the projection energy of r on the top-16 tokenwise directions',
-           avg(proj_res_m16), '<= 0.25', '<=', 0.25
-    FROM b GROUP BY ALL
-    UNION ALL
-    SELECT model, config_id, replicate, fn_class, '3', 'full and tokenwise updates are low-dimensional, the residual is not',
-           'mean effective rank of Δ_full and Δ_tok over that of r (the larger of the two ratios)',
-           greatest(avg(rank_full), avg(rank_tok)) / avg(rank_res), '<= 0.5', '<=', 0.5
-    FROM b GROUP BY ALL
-    UNION ALL
-    SELECT model, config_id, replicate, fn_class, '4', 'approximation error predicts output perturbation',
-           'median over layers of Spearman(relative error, KL)', median(spearman_relerr_kl), '>= 0.7', '>=', 0.7
-    FROM b GROUP BY ALL
-    UNION ALL
-    SELECT model, config_id, replicate, fn_class, '4 norm', 'approximation error predicts output perturbation',
-           'median over layers of Spearman(||r||, KL)', median(spearman_normres_kl), '>= 0.7', '>=', 0.7
-    FROM b GROUP BY ALL
-    UNION ALL
-    SELECT per_class.model, per_class.config_id, per_class.replicate, per_class.fn_class, '5',
-           'a diagonal map serves about as well as a low-rank one',
-           'median relative error of diagonal minus that of lowrank', classes.gap, '<= 0.05', '<=', 0.05
-    FROM per_class JOIN classes USING (model, config_id, replicate) WHERE classes.gap IS NOT NULL
-    UNION ALL
-    SELECT model, config_id, replicate, fn_class, '6', 'middle layers have larger residuals',
-           'mean median relative error of the middle third of layers minus the outer thirds', gap, '>= 0', '>=', 0.0
-    FROM depth
+{findings}
 ), summary AS (
     SELECT model, config_id, fn_class, finding, any_value(statement) AS statement, any_value(measure) AS measure,
            any_value(threshold) AS threshold, any_value(op) AS op, any_value(bound) AS bound,
+           any_value(threshold_source) AS threshold_source,
            max(value) FILTER (WHERE replicate = -1) AS value,
            quantile_cont(value, 0.025) FILTER (WHERE replicate >= 0) AS ci_lo,
            quantile_cont(value, 0.975) FILTER (WHERE replicate >= 0) AS ci_hi,
@@ -188,7 +129,8 @@ SELECT model, config_id, fn_class, finding, statement, measure, value, threshold
        CASE WHEN ci_lo IS NULL OR ci_hi IS NULL THEN NULL
             WHEN (op = '>=' AND ci_lo >= bound) OR (op = '<=' AND ci_hi <= bound) THEN 'holds'
             WHEN (op = '>=' AND ci_hi < bound) OR (op = '<=' AND ci_lo > bound) THEN 'fails'
-            ELSE 'undecided' END AS verdict
+            ELSE 'undecided' END AS verdict,
+       threshold_source
 FROM summary
 ORDER BY model, config_id, fn_class, finding
 """
@@ -323,9 +265,30 @@ def layer_summary_sql(has_functional: bool, prefix: str = "") -> str:
             f"FROM ({geometry}) g ORDER BY model, layer, fn_class")
 
 
+def _finding_select(f: Finding) -> str:
+    """One finding's rows over `b` (the per-layer statistics with n_layers): one per (model, config,
+    replicate, class)."""
+    constants = (f"{_sql_string(f.id)} AS finding, {_sql_string(f.claim)} AS statement, "
+                 f"{_sql_string(f.measure)} AS measure, {_sql_string(f.threshold)} AS threshold, "
+                 f"{_sql_string(f.op)} AS op, CAST({f.bound!r} AS DOUBLE) AS bound, "
+                 f"{_sql_string(f.source)} AS threshold_source")
+    if f.scope == "class":
+        return (f"    SELECT model, config_id, replicate, fn_class, {constants}, {f.value} AS value\n"
+                f"    FROM b GROUP BY model, config_id, replicate, fn_class")
+    return (f"    SELECT c.model, c.config_id, c.replicate, c.fn_class, {constants}, m.value\n"
+            f"    FROM (SELECT model, config_id, replicate, {f.value} AS value FROM b GROUP BY model, config_id, replicate) m\n"
+            f"    JOIN (SELECT DISTINCT model, config_id, replicate, fn_class FROM b) c USING (model, config_id, replicate)\n"
+            f"    WHERE m.value IS NOT NULL")
+
+
+def findings_select() -> str:
+    """Every finding of `updatelens.findings`, rendered as one UNION ALL."""
+    return "\n    UNION ALL\n".join(_finding_select(f) for f in FINDINGS)
+
+
 def findings_sql(prefix: str = "", with_replicates: bool = False) -> list[str]:
     """The findings views of one family; with its bootstrap tables, the `layer_replicates` view too."""
-    columns = ", ".join(f"ls.{c}" for c in STATISTICS[:8])
+    columns = ", ".join(f"ls.{c}" for c in STATISTICS)
     stats = POINT_STATS_SQL.format(columns=columns, layer_summary=f"{prefix}layer_summary", spectra=f"{prefix}spectra")
     statements = []
     if with_replicates:
@@ -334,7 +297,7 @@ def findings_sql(prefix: str = "", with_replicates: bool = False) -> list[str]:
                                                       functional_bootstrap=f"{prefix}functional_bootstrap"))
         stats += f" UNION ALL BY NAME SELECT * FROM {prefix}layer_replicates"
     return [*statements,
-            FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", stats=stats),
+            FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", stats=stats, findings=findings_select()),
             FINDINGS_SQL.format(name=f"{prefix}findings", by_class=f"{prefix}findings_by_class",
                                 layer_summary=f"{prefix}layer_summary")]
 

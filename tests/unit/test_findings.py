@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from updatelens import findings
 from updatelens.storage import catalog
 from updatelens.storage.layout import convergence_root, sweep_root, write_partition, write_sweep_run
 
@@ -92,6 +93,22 @@ def test_findings_match_a_hand_computation(tmp_path: Path) -> None:
     assert rows["5"]["holds"] == (expected["5"] <= 0.05)
     assert rows["4"]["holds"] == (expected["4"] >= 0.7)
     assert rows["2 angle"]["threshold"] == ">= 0.5"
+
+
+def test_the_views_render_the_findings_declared_in_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every declared finding is a row with its threshold and source; a finding added to the
+    declaration shows up in the views with no change to storage."""
+    fixture(tmp_path)
+    rows = {r["finding"]: r for r in catalog.query(tmp_path, "SELECT * FROM findings").to_dicts()}
+    assert set(rows) == set(findings.BY_ID)
+    for finding in findings.FINDINGS:
+        assert rows[finding.id]["threshold"] == finding.threshold
+        assert rows[finding.id]["threshold_source"] == finding.source and finding.source
+    extra = findings.Finding("7", "a planted claim", "max over layers of the median relative error",
+                             "max(rel_err_median)", "<=", 10.0, "the test")
+    monkeypatch.setattr(catalog, "FINDINGS", (*findings.FINDINGS, extra))
+    planted = catalog.query(tmp_path, "SELECT fn_class, value, holds FROM findings_by_class WHERE finding = '7'")
+    assert sorted(planted["fn_class"].to_list()) == sorted(CLASSES) and all(planted["holds"])
 
 
 def test_findings_by_class_cover_every_class(tmp_path: Path) -> None:
