@@ -32,7 +32,7 @@ from updatelens.analysis import LayerData, fits_from_table, layer_data
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
 from updatelens.stages import BY_NAME, upstream
-from updatelens.tables import PROVENANCE_COLUMNS, Provenance
+from updatelens.tables import PROVENANCE_COLUMNS
 
 
 
@@ -70,16 +70,6 @@ def read_block(root: Path, model: str, layer: int, lo: int, hi: int) -> tuple[La
     """Sequences lo..hi-1 of a layer: the transition's arrays and the fitted T(x) per class."""
     data = layer_data(read_seq_range(partition_file(root, "activations", model, layer), lo, hi))
     return data, fits_from_table(read_seq_range(partition_file(root, "local_fits", model, layer), lo, hi), data)
-
-
-def provenance_from(table: pa.Table, cfg: AnalysisConfig) -> Provenance:
-    """The upstream rows say which model revision and corpus slice; the config says the rest."""
-    row = table.slice(0, 1).to_pylist()[0]
-    return Provenance(
-        model=row["model"], model_revision=row["model_revision"], corpus=row["corpus"],
-        corpus_slice=row["corpus_slice"], config_id=cfg.config_id, k=cfg.k, rank=cfg.rank,
-        dtype=cfg.fit_dtype, code_version=CODE_VERSION, config_json=cfg.to_json(),
-    )
 
 
 @dataclass

@@ -11,7 +11,8 @@ its partitions (row groups in sequence order) and only the per-token KL stays in
 import dagster as dg
 
 from updatelens.assets import checks
-from updatelens.assets.common import Written, check_upstream, each_model, finish, provenance_from, stage_asset
+from updatelens.tables import Provenance
+from updatelens.assets.common import Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.storage.layout import partition_file, read_partition_columns, read_seq_range
 from updatelens.analysis import (
@@ -70,11 +71,11 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
                     bar.update(hi - lo)
                 del orig
         for layer in layers:
-            fm, fs = functional_tables_from_rows(rows.pop(layer), cfg, provenance_from(heads[layer], cfg), layer)
+            fm, fs = functional_tables_from_rows(rows.pop(layer), cfg, Provenance.of_rows(heads[layer], cfg), layer)
             stored_fm = written.add(lens.root, "functional_metrics", model, layer, fm)
             stored_fs = written.add(lens.root, "functional_summary", model, layer, fs)
             written.add(lens.root, "functional_bootstrap", model, layer,
-                        functional_bootstrap_table(stored_fm, cfg, provenance_from(heads[layer], cfg), layer))
+                        functional_bootstrap_table(stored_fm, cfg, Provenance.of_rows(heads[layer], cfg), layer))
             for row in stored_fs.to_pylist():
                 if row["variant"] == "patch":
                     written.note(model, layer, **{f"kl_mean_{row['fn_class']}": row["kl_mean"],

@@ -7,12 +7,13 @@ per-token geometry block by block; memory holds a block whatever the sample size
 import dagster as dg
 
 from updatelens.assets import checks
+from updatelens.tables import Provenance
 from updatelens.assets.common import (
     Written,
     check_upstream,
     each_model,
     finish,
-    provenance_from,
+   
     read_block,
     seq_blocks,
     stage_asset,
@@ -29,7 +30,7 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.
     verdicts: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, lens.root):
         for layer in layers:
-            prov = provenance_from(check_upstream(lens.root, "activations", model, layer, cfg), cfg)
+            prov = Provenance.of_rows(check_upstream(lens.root, "activations", model, layer, cfg), cfg)
             for table in ("local_fits", "residuals"):  # lineage and config check
                 check_upstream(lens.root, table, model, layer, cfg)
             blocks = seq_blocks(cfg)

@@ -7,7 +7,8 @@ import dagster as dg
 import numpy as np
 
 from updatelens.assets import checks
-from updatelens.assets.common import Written, check_upstream, each_model, finish, provenance_from, stage_asset
+from updatelens.tables import Provenance
+from updatelens.assets.common import Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.storage.layout import iter_parts, partition_file, partition_writer, read_partition_columns
 from updatelens.analysis import fit_row_parts, layer_neighbours, transition_from_parts
@@ -22,7 +23,7 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> d
     audits: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, lens.root):
         for layer in layers:
-            prov = provenance_from(check_upstream(lens.root, "activations", model, layer, cfg), cfg)
+            prov = Provenance.of_rows(check_upstream(lens.root, "activations", model, layer, cfg), cfg)
             n_kept = int(read_partition_columns(lens.root, "activations", model, layer, ["kept"])["kept"]
                          .to_numpy(zero_copy_only=False).sum())
             source = partition_file(lens.root, "activations", model, layer)

@@ -24,8 +24,8 @@ from updatelens.reports.build import (
     build_model_report,
 )
 from updatelens.storage import catalog
+from updatelens.stages import SWEEP_TABLES
 from updatelens.storage.layout import (
-    SWEEP_TABLES,
     clear_sweeps,
     model_lock,
     sweep_root,

@@ -8,12 +8,13 @@ import pyarrow.compute as pc
 from upath import UPath
 
 from updatelens.assets import checks
+from updatelens.tables import Provenance
 from updatelens.assets.common import (
     Written,
     check_upstream,
     each_model,
     finish,
-    provenance_from,
+   
     read_block,
     seq_blocks,
     stage_asset,
@@ -36,7 +37,7 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
     blown: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, lens.root):
         for layer in layers:
-            prov = provenance_from(check_upstream(lens.root, "activations", model, layer, cfg), cfg)
+            prov = Provenance.of_rows(check_upstream(lens.root, "activations", model, layer, cfg), cfg)
             check_upstream(lens.root, "local_fits", model, layer, cfg)
             key = f"{model}:{layer:02d}"
             previous = _previous_quantiles(lens.root, model, layer, cfg.config_id)

@@ -351,7 +351,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from updatelens.assets.resources import default_data_root
     from updatelens.storage import catalog
     from updatelens.storage.integrity import incomplete_layers, quarantine
-    from updatelens.storage.layout import TABLES
+    from updatelens.stages import TABLES
 
     root = args.data_root or default_data_root()
     damaged = catalog.verify_root(root).damaged

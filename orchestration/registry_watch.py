@@ -14,7 +14,8 @@ from pathlib import Path
 
 from updatelens.assets.partitions import model_keys
 from updatelens.storage.integrity import partition_error
-from updatelens.storage.layout import TABLES, partition_file, read_file
+from updatelens.stages import TABLES
+from updatelens.storage.layout import partition_file, read_file
 from updatelens.registry import ModelEntry, load_models
 from updatelens.stages import LAST_TABLE
 

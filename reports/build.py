@@ -23,7 +23,8 @@ from upath import UPath
 from updatelens.reports import figures as fig
 from updatelens.storage import catalog
 from updatelens.storage.integrity import incomplete_layers
-from updatelens.storage.layout import TABLES, publish_dir
+from updatelens.stages import TABLES
+from updatelens.storage.layout import publish_dir
 from updatelens.storage.location import as_root
 from updatelens.errors import UpdateLensError
 

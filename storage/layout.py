@@ -36,12 +36,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from upath import UPath
 
-from updatelens.stages import TABLES_BY_STAGE
 from updatelens.storage.integrity import MANIFEST, partition_error, quarantine, write_manifest
 from updatelens.storage.location import as_root, is_local, url
 
-# Every table the pipeline writes, in the stages' order (which stage writes which: updatelens.stages).
-TABLES: tuple[str, ...] = tuple(t for ts in TABLES_BY_STAGE.values() for t in ts)
 STAGING = "_staging"
 LOCKS = "_locks"
 PART_FILE = "part-0.parquet"
@@ -395,8 +392,7 @@ def glob_pattern(root: str | Path, table_name: str) -> str:
 # (model, config) in `<root>/sweeps/runs/model=<slug>/config=<id>/run.parquet` saying which
 # convention that configuration varies. Written last, the record is what makes a config visible
 # in the `sensitivity` view.
-SWEEPS = "sweeps"
-SWEEP_TABLES: tuple[str, ...] = ("geometry", "spectra", "functional_metrics", "functional_summary")
+SWEEPS = "sweeps"  # its tables: updatelens.stages.SWEEP_TABLES
 SWEEP_RUN_FILE = "run.parquet"
 
 

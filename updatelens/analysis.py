@@ -8,14 +8,13 @@ Dagster or knows where tables are stored.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from updatelens import CODE_VERSION
 from updatelens.bootstrap import (
     geometry_replicates,
     gram_effective_ranks,
@@ -46,22 +45,12 @@ from updatelens.perturbation import (
     single_position_kl,
     spearman,
 )
+from updatelens.stages import TABLES
 from updatelens.tables import Provenance, to_matrix, vector_column, with_provenance
 
 
 def provenance(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig) -> Provenance:
-    return Provenance(
-        model=lm.slug,
-        model_revision=lm.revision,
-        corpus=sample.corpus,
-        corpus_slice=sample.slice_desc,
-        config_id=cfg.config_id,
-        k=cfg.k,
-        rank=cfg.rank,
-        dtype=cfg.fit_dtype,
-        code_version=CODE_VERSION,
-        config_json=cfg.to_json(),
-    )
+    return Provenance.of(lm.slug, lm.revision, sample.corpus, sample.slice_desc, cfg)
 
 
 # ---- stage 1: activations -----------------------------------------------------------------------
@@ -549,35 +538,43 @@ def functional_tables(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit
     return functional_tables_from_rows(rows, cfg, prov, data.layer)
 
 
-# ---- notebook entry point -----------------------------------------------------------------------
+# ---- one layer in memory: the notebook, the tests and the sweep -----------------------------------
 @dataclass
 class LayerResult:
     layer: int
     tables: dict[str, pa.Table]
 
 
+def analyse_layer(lm: LoadedModel, data: LayerData, orig: OriginalOutput, cfg: AnalysisConfig, prov: Provenance,
+                  returns_tuple: bool = False, tables: Collection[str] = TABLES) -> dict[str, pa.Table]:
+    """The tables of the stages after the capture for one layer, in memory, in the stages' order
+    (updatelens.stages); only what `tables` asks for is built. The assets run the same steps stage by
+    stage, streaming blocks of sequences through storage."""
+    fits, neighbours = compute_fits(data, cfg)
+    out: dict[str, pa.Table] = {}
+    if "local_fits" in tables:
+        out["local_fits"] = fits_table(data, fits, neighbours, prov)
+    if "residuals" in tables:
+        out["residuals"] = residuals_table(data, fits, prov)
+    if {"geometry", "spectra", "geometry_bootstrap"} & set(tables):
+        out["geometry"], out["spectra"], out["geometry_bootstrap"] = geometry_tables(data, fits, cfg, prov)
+    if {"functional_metrics", "functional_summary", "functional_bootstrap"} & set(tables):
+        fm, fs = functional_tables(lm, data, fits, orig, cfg, prov, returns_tuple)
+        out["functional_metrics"], out["functional_summary"] = fm, fs
+        if "functional_bootstrap" in tables:
+            out["functional_bootstrap"] = functional_bootstrap_table(fm, cfg, prov, data.layer)
+    return {name: out[name] for name in TABLES if name in tables and name in out}
+
+
 def analyse_model(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig,
                   layers: list[int] | None = None) -> Iterator[LayerResult]:
-    """All five stages for each layer, in memory, one layer at a time (for notebooks and tests)."""
+    """Every stage for each layer, in memory, one layer at a time (for notebooks and tests)."""
     cfg.validate(d_model=lm.d_model, max_positions=lm.max_positions)
     prov = provenance(lm, sample, cfg)
     cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
     orig = original_output(lm, sample.input_ids, cfg.patch_batch)
     for layer in layers if layers is not None else range(lm.n_layers):
         act = activations_table(cap, layer, cfg, prov)
-        data = layer_data(act)
-        fits, neighbours = compute_fits(data, cfg)
-        geo, spec, geo_boot = geometry_tables(data, fits, cfg, prov)
-        fm, fs = functional_tables(lm, data, fits, orig, cfg, prov, cap.block_returns_tuple)
-        yield LayerResult(layer, {
-            "activations": act,
-            "tokens": token_rows(lm.tokenizer, sample.input_ids, layer, prov),
-            "local_fits": fits_table(data, fits, neighbours, prov),
-            "residuals": residuals_table(data, fits, prov),
-            "geometry": geo,
-            "spectra": spec,
-            "geometry_bootstrap": geo_boot,
-            "functional_metrics": fm,
-            "functional_summary": fs,
-            "functional_bootstrap": functional_bootstrap_table(fm, cfg, prov, layer),
-        })
+        tables = {"activations": act, "tokens": token_rows(lm.tokenizer, sample.input_ids, layer, prov)}
+        tables.update(analyse_layer(lm, layer_data(act), orig, cfg, prov, cap.block_returns_tuple))
+        yield LayerResult(layer, tables)

@@ -52,6 +52,10 @@ STAGES: tuple[Stage, ...] = (
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
 STAGE_NAMES: tuple[str, ...] = tuple(BY_NAME)
 TABLES_BY_STAGE: dict[str, tuple[str, ...]] = {s.name: s.tables for s in STAGES}
+# Every table the pipeline writes per (model, layer), in the stages' order.
+TABLES: tuple[str, ...] = tuple(t for s in STAGES for t in s.tables)
+# What a convention sweep stores per (configuration, model, layer): what the findings read.
+SWEEP_TABLES: tuple[str, ...] = ("geometry", "spectra", "functional_metrics", "functional_summary")
 # written by the last stage: present only if the whole chain ran for a (model, layer)
 LAST_TABLE: str = STAGES[-1].tables[-1]
 

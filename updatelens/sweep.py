@@ -17,9 +17,7 @@ import pyarrow as pa
 
 from updatelens.analysis import (
     activations_table,
-    compute_fits,
-    functional_tables,
-    geometry_tables,
+    analyse_layer,
     layer_data,
     provenance,
 )
@@ -29,6 +27,7 @@ from updatelens.corpus import Sample
 from updatelens.errors import ConfigError
 from updatelens.models import LoadedModel
 from updatelens.perturbation import original_output
+from updatelens.stages import SWEEP_TABLES
 
 # Around the default: neighbour exclusion, k, rank and the function class. The alignment form, the
 # angle reference and the error measure need no extra run: every run measures them both ways.
@@ -133,11 +132,6 @@ def sweep(lm: LoadedModel, sample: Sample, runs: Sequence[SweepRun], layers: Seq
     for layer in layers:
         data = layer_data(activations_table(cap, layer, base, provenance(lm, sample, base)))
         for run in runs:
-            cfg = run.config
-            prov = provenance(lm, sample, cfg)
-            fits, _ = compute_fits(data, cfg)
-            geometry, spectra, _ = geometry_tables(data, fits, cfg, prov)
-            per_token, summary = functional_tables(lm, data, fits, orig, cfg, prov, cap.block_returns_tuple)
-            write(run, layer, {"geometry": geometry, "spectra": spectra,
-                               "functional_metrics": per_token, "functional_summary": summary})
+            write(run, layer, analyse_layer(lm, data, orig, run.config, provenance(lm, sample, run.config),
+                                            cap.block_returns_tuple, SWEEP_TABLES))
         log(f"{lm.slug} layer {layer}: {len(runs)} configurations analysed")

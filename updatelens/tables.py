@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
+from updatelens import CODE_VERSION
+from updatelens.config import AnalysisConfig
+
 
 def vector_column(values: np.ndarray, dtype: pa.DataType = pa.float32()) -> pa.FixedSizeListArray:
     values = np.ascontiguousarray(values, dtype=dtype.to_pandas_dtype())
@@ -36,6 +39,20 @@ class Provenance:
     dtype: str
     code_version: str
     config_json: str
+
+    @classmethod
+    def of(cls, model: str, model_revision: str, corpus: str, corpus_slice: str, cfg: AnalysisConfig) -> Provenance:
+        """The one place provenance is built: what was analysed (model, revision, corpus slice), the
+        configuration that analysed it and this code's version."""
+        return cls(model=model, model_revision=model_revision, corpus=corpus, corpus_slice=corpus_slice,
+                   config_id=cfg.config_id, k=cfg.k, rank=cfg.rank, dtype=cfg.fit_dtype, code_version=CODE_VERSION,
+                   config_json=cfg.to_json())
+
+    @classmethod
+    def of_rows(cls, table: pa.Table, cfg: AnalysisConfig) -> Provenance:
+        """For a stage that reads stored rows: they say which model revision and corpus slice."""
+        row = table.slice(0, 1).select(["model", "model_revision", "corpus", "corpus_slice"]).to_pylist()[0]
+        return cls.of(row["model"], row["model_revision"], row["corpus"], row["corpus_slice"], cfg)
 
     def columns(self, n: int) -> dict[str, pa.Array]:
         out: dict[str, pa.Array] = {}

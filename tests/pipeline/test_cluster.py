@@ -17,7 +17,7 @@ from updatelens.assets.routing import CPU_QUEUE, GPU_QUEUE
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
 from updatelens.orchestration.runner import check_verdicts, dagster_yaml, materialize_layers_distributed, materialize_model
 from updatelens.storage import catalog
-from updatelens.storage.layout import TABLES
+from updatelens.stages import TABLES
 from tests import cluster
 from tests.zoo import N_LAYERS
 

@@ -15,7 +15,8 @@ from updatelens.assets.partitions import layer_key
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
 from updatelens.orchestration.runner import failure_message, materialize_model
 from updatelens.storage import catalog
-from updatelens.storage.layout import TABLES, partition_file
+from updatelens.stages import TABLES
+from updatelens.storage.layout import partition_file
 from tests.zoo import N_LAYERS
 
 MODELS = ["tiny-gpt2", "tiny-llama", "tiny-mamba"]

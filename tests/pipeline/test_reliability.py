@@ -21,7 +21,8 @@ from updatelens.orchestration.cli import main
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
 from updatelens.orchestration.runner import materialize_model
 from updatelens.storage import catalog
-from updatelens.storage.layout import KILL_BEFORE_MANIFEST_ENV, KILL_MID_REPLACE_ENV, KILL_MID_WRITE_ENV, STAGING, TABLES
+from updatelens.stages import TABLES
+from updatelens.storage.layout import KILL_BEFORE_MANIFEST_ENV, KILL_MID_REPLACE_ENV, KILL_MID_WRITE_ENV, STAGING
 from updatelens.errors import ModelError
 from updatelens.models import locate_blocks
 
