@@ -1,0 +1,310 @@
+"""A fault drill on a real data root, run by hand (tens of minutes), not by the suite.
+
+On a data root holding a model's results (by default the SmolLM2 job's, `./data`), each fault is
+inflicted on one layer, then the drill records whether `updatelens verify` names the damage,
+whether queries of the other partitions keep answering, whether the next `updatelens run` repairs
+it (exit 0, `verify` clean afterwards) and whether the repaired partitions equal the ones from
+before the fault (Parquet tables compared whole). The faults:
+
+- delete, truncate (to half) and flip one bit of the first table of each of the five stages;
+- SIGKILL while a partition is being written, between the data file and its manifest, and while
+  an existing partition is being replaced (the product's fault-injection variables);
+- a full disk: the data root on a small tmpfs (needs root; otherwise recorded as not run) filled by
+  another writer while a run is going;
+- two runs on the same model and root at once.
+
+It also times `verify_root` over the whole root (what every run and view refresh pays) against
+the pipeline time given with --pipeline-s.
+
+    python -m tests.manual.fault_drill --data-root data --layers 6-8 --target 7 OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from updatelens.stages import STAGES, TABLES
+from updatelens.storage import catalog
+from updatelens.storage.layout import (
+    KILL_BEFORE_MANIFEST_ENV,
+    KILL_MID_REPLACE_ENV,
+    KILL_MID_WRITE_ENV,
+    STAGING,
+    partition_file,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Outcome:
+    fault: str
+    table: str
+    detected: bool = False  # `verify` exited 1 and named the table and layer (or the run refused)
+    detection: str = ""
+    others_answer: bool = False  # the other layers' rows of that table, counted while the damage stood
+    repair_rc: int | None = None
+    repair_s: float = 0.0
+    verified_after: bool = False  # `verify` exits 0 after the repair
+    identical: bool = False  # every partition of the drill's layers equals its copy from before
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.detected and self.others_answer and self.repair_rc == 0 and self.verified_after and self.identical
+
+
+class Drill:
+    def __init__(self, root: Path, model: str, layers: list[int], target: int, extra: list[str]) -> None:
+        self.root, self.model, self.layers, self.target, self.extra = root, model, layers, target, extra
+        self.home = root.parent / (root.name + "-drill-dagster-home")
+        self.baseline: dict[tuple[str, int], object] = {}
+        self.other_rows: dict[str, int] = {}
+
+    # ---- the product's commands ----------------------------------------------------------------
+    def cli(self, *args: str, env: dict[str, str] | None = None, background: bool = False):  # noqa: ANN201
+        full_env = dict(os.environ, DAGSTER_HOME=str(self.home), HF_HUB_OFFLINE="1", UPDATELENS_PROGRESS="off",
+                        **(env or {}))
+        cmd = [sys.executable, "-m", "updatelens.orchestration.cli", *args, "--data-root", str(self.root)]
+        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if background:
+            return proc
+        out, _ = proc.communicate()
+        return proc.returncode, out
+
+    def run(self, *extra: str, env: dict[str, str] | None = None, background: bool = False):  # noqa: ANN201
+        span = f"{self.layers[0]}-{self.layers[-1]}"
+        return self.cli("run", "--model", self.model, "--layers", span, *self.extra, *extra, env=env,
+                        background=background)
+
+    def verify(self) -> tuple[int, str]:
+        return self.cli("verify")
+
+    # ---- the state to compare with -------------------------------------------------------------
+    def file(self, table: str, layer: int | None = None) -> Path:
+        return Path(str(partition_file(self.root, table, self.model, self.target if layer is None else layer)))
+
+    def snapshot(self) -> None:
+        rc, out = self.run()
+        if rc != 0:
+            raise SystemExit(f"the data root could not be brought up to date:\n{out[-3000:]}")
+        rc, out = self.verify()
+        if rc != 0:
+            raise SystemExit(f"the data root does not verify before the drill:\n{out[-3000:]}")
+        for table in TABLES:
+            for layer in self.layers:
+                self.baseline[(table, layer)] = pq.read_table(self.file(table, layer))
+            self.other_rows[table] = self.count_others(table)
+
+    def count_others(self, table: str) -> int:
+        return int(catalog.query(self.root, f"SELECT count(*) AS n FROM {table} WHERE model = ? AND layer <> ?",
+                                 [self.model, self.target])["n"][0])
+
+    def identical(self) -> tuple[bool, list[str]]:
+        differ = []
+        for (table, layer), before in self.baseline.items():
+            path = self.file(table, layer)
+            if not path.exists() or not pq.read_table(path).equals(before):  # type: ignore[arg-type]
+                differ.append(f"{table} layer {layer}")
+        return not differ, differ
+
+    # ---- one fault -----------------------------------------------------------------------------
+    def detect(self, outcome: Outcome, table: str) -> None:
+        rc, out = self.verify()
+        named = [line for line in out.splitlines()
+                 if f"layer={self.target}" in line and (table in line or "incomplete" in line)]
+        outcome.detected = rc == 1 and bool(named)
+        outcome.detection = named[0].strip() if named else out.strip()[-300:]
+
+    def others(self, outcome: Outcome, table: str) -> None:
+        try:
+            outcome.others_answer = self.count_others(table) == self.other_rows[table]
+        except Exception as exc:  # noqa: BLE001 - recorded: a query that fails is what the drill looks for
+            outcome.notes.append(f"query of the other layers failed: {exc}")
+
+    def repair(self, outcome: Outcome, *extra: str) -> None:
+        start = time.perf_counter()
+        outcome.repair_rc, out = self.run(*extra)
+        outcome.repair_s = round(time.perf_counter() - start, 1)
+        if outcome.repair_rc != 0:
+            outcome.notes.append(out[-1500:])
+        self.after(outcome)
+
+    def after(self, outcome: Outcome) -> None:
+        """What the root holds after the repair: it verifies, equals its state from before, no leftovers."""
+        outcome.verified_after = self.verify()[0] == 0
+        outcome.identical, differ = self.identical()
+        if differ:
+            outcome.notes.append(f"differ from before: {', '.join(differ)}")
+        if list((self.root / STAGING).glob("*")):
+            outcome.notes.append("staging folders left behind")
+
+    def file_fault(self, fault: str, table: str) -> Outcome:
+        outcome = Outcome(fault, table)
+        path = self.file(table)
+        if fault == "delete":
+            path.unlink()
+        elif fault == "truncate":
+            with path.open("r+b") as f:
+                f.truncate(path.stat().st_size // 2)
+        else:  # bit flip in the middle of the file: its footer still reads
+            with path.open("r+b") as f:
+                f.seek(path.stat().st_size // 2)
+                byte = f.read(1)[0]
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte ^ 0x10]))
+        self.detect(outcome, table)
+        self.others(outcome, table)
+        self.repair(outcome)
+        quarantined = list((self.root / "_quarantine").rglob(f"{table}/model={self.model}/layer={self.target}/*.parquet"))
+        if fault != "delete" and not quarantined:
+            outcome.notes.append("the damaged file was not kept in _quarantine")
+        return outcome
+
+    def kill(self, fault: str, env: str, table: str = "geometry") -> Outcome:
+        """A run over the target layer killed at `env`'s point; then verify, the others, the repair."""
+        outcome = Outcome(fault, table)
+        rc, out = self.cli("run", "--model", self.model, "--layers", str(self.target), "--force", *self.extra,
+                           env={env: table})
+        if rc != -9:
+            outcome.notes.append(f"the run was not killed (exit {rc}): {out[-500:]}")
+        vrc, vout = self.verify()
+        if env == KILL_MID_REPLACE_ENV:  # the partition being replaced is absent: its layer is incomplete
+            self.detect(outcome, table)
+        else:  # the kill left only a staging file: every visible file verifies and is the old one
+            outcome.detected = vrc == 0 and self.identical()[0]
+            outcome.detection = "nothing visible changed; verify exits 0" if outcome.detected else vout[-300:]
+        self.others(outcome, table)
+        self.repair(outcome, *(() if env == KILL_MID_REPLACE_ENV else ("--force",)))
+        return outcome
+
+    def full_disk(self) -> Outcome:
+        """Another writer fills the file system while a run rewrites the target layer."""
+        outcome = Outcome("full disk", "geometry")
+        filler = self.root / "filler.bin"
+        self.file("geometry").unlink()
+        proc = self.run(background=True)
+        deadline = time.time() + 600
+        while not list((self.root / STAGING).glob("*/*")) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True)
+        out, _ = proc.communicate()
+        outcome.detected = proc.returncode not in (0, None) and "No space left" in out
+        said = [line for line in out.splitlines() if "No space left" in line or "updatelens run:" in line]
+        outcome.detection = (said[-1].strip() if said else out[-300:])[:300]
+        vrc, vout = self.verify()
+        if "damaged:" in vout:
+            outcome.notes.append(f"a damaged file is visible after the full disk: {vout[-500:]}")
+            outcome.detected = False
+        self.others(outcome, "geometry")
+        filler.unlink()
+        self.repair(outcome)
+        return outcome
+
+    def concurrent(self) -> Outcome:
+        """Two runs on the same model and root at once, with the target layer's residuals deleted, while
+        a reader queries the other layers."""
+        outcome = Outcome("two runs at once", "residuals")
+        self.file("residuals").unlink()
+        self.detect(outcome, "residuals")
+        reads, failures = [0], []
+        procs = [self.run(background=True), self.run(background=True)]
+
+        def read() -> None:
+            while any(p.poll() is None for p in procs):
+                try:
+                    assert self.count_others("geometry") == self.other_rows["geometry"]
+                    reads[0] += 1
+                except Exception as exc:  # noqa: BLE001
+                    failures.append(str(exc))
+                time.sleep(0.5)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        start = time.perf_counter()
+        outs = [p.communicate()[0] for p in procs]
+        reader.join()
+        outcome.repair_s = round(time.perf_counter() - start, 1)
+        outcome.repair_rc = max(abs(p.returncode) for p in procs)
+        outcome.others_answer = reads[0] > 0 and not failures
+        outcome.notes.append(f"{reads[0]} queries answered during the runs, {len(failures)} failed"
+                             + (f" ({failures[0][:200]})" if failures else ""))
+        for p, out in zip(procs, outs):
+            if p.returncode != 0:
+                outcome.notes.append(out[-1500:])
+        self.after(outcome)
+        return outcome
+
+
+def verify_overhead(root: Path, pipeline_s: float | None) -> dict[str, object]:
+    """verify_root over the whole root in this process (fresh: nothing cached), against the pipeline time."""
+    start = time.perf_counter()
+    verified = catalog.verify_root(root)
+    seconds = time.perf_counter() - start
+    files = sum(len(v) for family in (verified.main, verified.sweeps, verified.convergence) for v in family.values())
+    size = sum(p.stat().st_size for p in root.rglob("*.parquet") if "_quarantine" not in p.parts)
+    record: dict[str, object] = {"verify_s": round(seconds, 2), "files": files, "bytes": size}
+    if pipeline_s:
+        record.update(pipeline_s=pipeline_s, ratio=round(seconds / pipeline_s, 4), target="<= 0.05")
+    return record
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, help="where to write the drill's record (JSON)")
+    parser.add_argument("--data-root", type=Path, default=Path("data"))
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--layers", default="6-8", help="a range FIRST-LAST of stored layers the drill works on")
+    parser.add_argument("--target", type=int, default=7, help="the layer that takes the faults")
+    parser.add_argument("--pipeline-s", type=float, help="the root's pipeline time, for the verification overhead")
+    parser.add_argument("--only", help="comma-separated subset: files, kills, disk, concurrent")
+    args, extra = parser.parse_known_args()  # anything else (--registry, --set, ...) goes to `updatelens run`
+    first, _, last = args.layers.partition("-")
+    layers = list(range(int(first), int(last or first) + 1))
+    drill = Drill(args.data_root.resolve(), args.model, layers, args.target, extra)
+    only = set((args.only or "files,kills,disk,concurrent").split(","))
+    drill.snapshot()
+    record: dict[str, object] = {"model": args.model, "layers": layers, "target": args.target,
+                                 "verify_overhead": verify_overhead(drill.root, args.pipeline_s)}
+    outcomes: list[Outcome] = []
+
+    def done(outcome: Outcome) -> None:
+        outcomes.append(outcome)
+        print(f"{outcome.fault:>18} {outcome.table:<20} {'ok' if outcome.ok else 'NOT OK'} "
+              f"(repair {outcome.repair_s} s) {outcome.detection[:120]}", flush=True)
+        args.out.write_text(json.dumps({**record, "outcomes": [{**asdict(o), "ok": o.ok} for o in outcomes]},
+                                       indent=1))
+
+    if "files" in only:
+        for stage in STAGES:
+            for fault in ("delete", "truncate", "bit flip"):
+                done(drill.file_fault(fault, stage.tables[0]))
+    if "kills" in only:
+        done(drill.kill("SIGKILL mid-write", KILL_MID_WRITE_ENV))
+        done(drill.kill("SIGKILL before manifest", KILL_BEFORE_MANIFEST_ENV))
+        done(drill.kill("SIGKILL mid-replace", KILL_MID_REPLACE_ENV))
+    if "disk" in only:
+        if shutil.disk_usage(drill.root).total > 8 << 30:
+            print("full disk: not run (the data root is not on a small file system; see --help)")
+        else:
+            done(drill.full_disk())
+    if "concurrent" in only:
+        done(drill.concurrent())
+    bad = [o for o in outcomes if not o.ok]
+    print(f"{len(outcomes) - len(bad)} of {len(outcomes)} faults detected and repaired; record in {args.out}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
