@@ -13,8 +13,6 @@ import pyarrow as pa
 from updatelens.assets import checks
 from updatelens.assets.common import Written, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.storage.layout import (clean_abandoned_staging, iter_parts, partition_file, partition_writer,
-                                       read_file, read_seq_range)
 from updatelens.analysis import activation_rows, provenance, token_rows
 from updatelens.capture import capture_batches
 from updatelens.preflight import check_data_root
@@ -23,14 +21,15 @@ from updatelens.preflight import check_data_root
 @stage_asset
 def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
-    check_data_root(lens.root)
-    for name in clean_abandoned_staging(lens.root):
+    store = lens.store
+    check_data_root(store.root)
+    for name in store.clean_abandoned_staging():
         context.log.info(f"removed staging dir {name} left by a crashed run")
     written = Written()
     valid: dict[str, checks.Verdict] = {}
     matches: dict[str, checks.Verdict] = {}
     d_model = 0
-    for model, layers in each_model(context, lens.root):
+    for model, layers in each_model(context, store):
         lm = lens.load(model)
         cfg.validate(d_model=lm.d_model, max_positions=lm.max_positions)
         bad = [layer for layer in layers if layer >= lm.n_layers]
@@ -40,9 +39,9 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
         context.log.info(f"{model}: capturing {sample.slice_desc} ({lm.n_layers} blocks, d={lm.d_model})")
         prov = provenance(lm, sample, cfg)
         with ExitStack() as stack:
-            sinks = {layer: stack.enter_context(partition_writer(lens.root, "activations", model, layer))
+            sinks = {layer: stack.enter_context(store.partition("activations", model, layer).writer())
                      for layer in layers}
-            token_sinks = {layer: stack.enter_context(partition_writer(lens.root, "tokens", model, layer))
+            token_sinks = {layer: stack.enter_context(store.partition("tokens", model, layer).writer())
                            for layer in layers}
             for batch in capture_batches(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch,
                                          last_block=max(layers)):
@@ -54,20 +53,18 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
         n_check = min(lens.checks.hidden_state_sequences, len(sample.input_ids))
         heads = {}
         for layer in layers:
-            path = partition_file(lens.root, "activations", model, layer)
-            written.record(path, "activations", model, layer, sinks[layer].rows)
-            written.record(partition_file(lens.root, "tokens", model, layer), "tokens", model, layer,
-                           token_sinks[layer].rows)
+            acts, tokens = store.partition("activations", model, layer), store.partition("tokens", model, layer)
+            written.record(acts, sinks[layer].rows)
+            written.record(tokens, token_sinks[layer].rows)
             written.note(model, layer, d_model=lm.d_model, n_tokens=sinks[layer].rows)
-            valid[f"{model}:{layer:02d}"] = verdict = checks.check_activations(iter_parts(path), cfg, lm.d_model,
+            valid[f"{model}:{layer:02d}"] = verdict = checks.check_activations(acts.parts(), cfg, lm.d_model,
                                                                                 lens.checks)
-            verdict.merge(checks.check_tokens(read_file(partition_file(lens.root, "tokens", model, layer)),
-                                              read_file(path, ["seq", "pos", "token_id"]), cfg))
-            heads[layer] = read_seq_range(path, 0, n_check)
+            verdict.merge(checks.check_tokens(tokens.read(), acts.read(["seq", "pos", "token_id"]), cfg))
+            heads[layer] = acts.seqs(0, n_check)
         for layer, verdict in checks.check_against_hidden_states(lm, sample.input_ids, heads, lens.checks).items():
             matches[f"{model}:{layer:02d}"] = verdict
         d_model = lm.d_model
-    return finish(lens.root, cfg, written, {"d_model": d_model}, [
+    return finish(store, cfg, written, {"d_model": d_model}, [
         checks.result("activations", "activations_valid", valid, lens.checks),
         checks.result("activations", "activations_match_hidden_states", matches, lens.checks),
     ])

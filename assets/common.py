@@ -7,7 +7,6 @@ import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import dagster as dg
 import polars as pl
@@ -16,17 +15,8 @@ import pyarrow as pa
 from updatelens.assets import checks
 from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.assets.partitions import MODEL_LAYER, group_keys
-from updatelens.storage import catalog
-from updatelens.storage.layout import (
-    iter_parts,
-    partition_file,
-    partition_locks,
-    read_file,
-    read_schema,
-    read_seq_range,
-    write_partition,
-)
-from updatelens.storage.location import url
+from updatelens.storage.layout import read_file, read_schema
+from updatelens.storage.store import Partition, Store
 from updatelens import CODE_VERSION
 from updatelens.analysis import LayerData, fits_from_table, layer_data
 from updatelens.config import AnalysisConfig
@@ -40,14 +30,14 @@ class StaleInputError(RuntimeError):
     """An upstream partition was produced under another configuration."""
 
 
-def check_upstream(root: Path, table: str, model: str, layer: int, cfg: AnalysisConfig) -> pa.Table:
+def check_upstream(store: Store, table: str, model: str, layer: int, cfg: AnalysisConfig) -> pa.Table:
     """The provenance of an upstream partition (its first row), after checking that it was produced
     under this run's configuration: reads a few columns of one row group, not the partition."""
-    path = partition_file(root, table, model, layer)
-    if not path.exists():
+    part = store.partition(table, model, layer)
+    if not part.exists():
         raise FileNotFoundError(f"{table} for model={model} layer={layer} is not materialized "
-                                f"({url(path)}); materialize the upstream asset first")
-    head = next(iter_parts(path, list(PROVENANCE_COLUMNS)))
+                                f"({part.url}); materialize the upstream asset first")
+    head = next(part.parts(list(PROVENANCE_COLUMNS)))
     found = head["config_id"][0].as_py() if len(head) else cfg.config_id
     if found != cfg.config_id:
         raise StaleInputError(
@@ -66,10 +56,10 @@ def seq_blocks(cfg: AnalysisConfig, rows: int = BLOCK_ROWS) -> list[tuple[int, i
     return [(lo, min(cfg.n_seq, lo + per_block)) for lo in range(0, cfg.n_seq, per_block)]
 
 
-def read_block(root: Path, model: str, layer: int, lo: int, hi: int) -> tuple[LayerData, dict[str, LayerFit]]:
+def read_block(store: Store, model: str, layer: int, lo: int, hi: int) -> tuple[LayerData, dict[str, LayerFit]]:
     """Sequences lo..hi-1 of a layer: the transition's arrays and the fitted T(x) per class."""
-    data = layer_data(read_seq_range(partition_file(root, "activations", model, layer), lo, hi))
-    return data, fits_from_table(read_seq_range(partition_file(root, "local_fits", model, layer), lo, hi), data)
+    data = layer_data(store.partition("activations", model, layer).seqs(lo, hi))
+    return data, fits_from_table(store.partition("local_fits", model, layer).seqs(lo, hi), data)
 
 
 @dataclass
@@ -80,23 +70,20 @@ class Written:
     paths: list[str] = field(default_factory=list)
     per_partition: dict[str, dict[str, object]] = field(default_factory=dict)  # key -> figures
 
-    def add(self, root: Path, name: str, model: str, layer: int, table: pa.Table) -> pa.Table:
+    def add(self, part: Partition, table: pa.Table) -> pa.Table:
         """Write a partition and return it as read back from disk: checks validate the file."""
-        path = url(write_partition(root, name, model, layer, table))
-        self.rows[name] = self.rows.get(name, 0) + len(table)
-        self.paths.append(path)
-        figures = self.per_partition.setdefault(f"{model}:{layer:02d}", {})
-        figures[f"rows_{name}"] = len(table)
-        figures.setdefault("parquet_path", path)
+        path = part.write(table)
+        self.record(part, len(table))
         return read_file(path)
 
-    def record(self, path: object, name: str, model: str, layer: int, rows: int) -> None:
-        """A partition this stage wrote itself (streamed): counted without reading it back."""
-        self.rows[name] = self.rows.get(name, 0) + rows
-        self.paths.append(url(path))
-        figures = self.per_partition.setdefault(f"{model}:{layer:02d}", {})
-        figures[f"rows_{name}"] = rows
-        figures.setdefault("parquet_path", url(path))
+    def record(self, part: Partition, rows: int) -> None:
+        """A partition written in this run (by `add`, or streamed by the stage itself): counted,
+        without reading it back."""
+        self.rows[part.table] = self.rows.get(part.table, 0) + rows
+        self.paths.append(part.url)
+        figures = self.per_partition.setdefault(f"{part.model}:{part.layer:02d}", {})
+        figures[f"rows_{part.table}"] = rows
+        figures.setdefault("parquet_path", part.url)
 
     def note(self, model: str, layer: int, **figures: object) -> None:
         self.per_partition.setdefault(f"{model}:{layer:02d}", {}).update(figures)
@@ -200,17 +187,17 @@ def column_schema(path: str) -> dg.TableSchema:
     return dg.TableSchema(columns=[dg.TableColumn(f.name, str(f.type)) for f in read_schema(path)])
 
 
-def each_model(context: dg.AssetExecutionContext, root: Path) -> Iterator[tuple[str, list[int]]]:
+def each_model(context: dg.AssetExecutionContext, store: Store) -> Iterator[tuple[str, list[int]]]:
     """(model, layers) of this run, under the locks of those partitions: concurrent runs writing
     the same partitions are serialised step by step; other layers and models proceed in parallel."""
     for model, layers in group_keys(context.partition_keys).items():
-        with partition_locks(root, model, layers):
+        with store.lock(model, layers):
             yield model, layers
 
 
-def finish(root: Path, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None,
+def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None,
            check_results: list[dg.AssetCheckResult] | None = None) -> dg.MaterializeResult:
-    catalog.refresh(root)
+    store.refresh()
     # one partition: its file; several: the table folder they live under
     where = written.paths[0] if len(written.per_partition) == 1 else written.paths[0].rsplit("/", 3)[0]
     metadata: dict[str, object] = {

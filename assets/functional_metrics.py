@@ -11,10 +11,8 @@ its partitions (row groups in sequence order) and only the per-token KL stays in
 import dagster as dg
 
 from updatelens.assets import checks
-from updatelens.tables import Provenance
 from updatelens.assets.common import Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.storage.layout import partition_file, read_partition_columns, read_seq_range
 from updatelens.analysis import (
     FunctionalRows,
     fits_from_table,
@@ -27,22 +25,24 @@ from updatelens.analysis import (
 from updatelens.capture import block_output_is_tuple
 from updatelens.perturbation import original_output
 from updatelens.progress import progress
+from updatelens.tables import Provenance
 
 
 @stage_asset
 def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
+    store = lens.store
     written = Written()
     verdicts: dict[str, checks.Verdict] = {}
-    for model, layers in each_model(context, lens.root):
+    for model, layers in each_model(context, store):
         lm = lens.load(model)
         returns_tuple = block_output_is_tuple(lm)
         heads = {}
         for layer in layers:  # configuration and lineage of every input, before any heavy work
-            heads[layer] = check_upstream(lens.root, "activations", model, layer, cfg)
+            heads[layer] = check_upstream(store, "activations", model, layer, cfg)
             for table in ("local_fits", "geometry"):
-                check_upstream(lens.root, table, model, layer, cfg)
-        index = read_partition_columns(lens.root, "activations", model, layers[0], ["seq", "pos", "token_id", "kept"])
+                check_upstream(store, table, model, layer, cfg)
+        index = store.partition("activations", model, layers[0]).read(["seq", "pos", "token_id", "kept"])
         index = index.sort_by([("seq", "ascending"), ("pos", "ascending")])
         n_seq = int(index["seq"].to_numpy().max()) + 1
         input_ids = index["token_id"].to_numpy().reshape(n_seq, -1)
@@ -57,13 +57,13 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
         with progress(f"{model}: patched passes", n_seq * len(layers), "seq x layer") as bar:
             for lo in range(0, n_seq, cfg.kl_block):
                 hi = min(n_seq, lo + cfg.kl_block)
-                blocks = {layer: layer_data(read_seq_range(partition_file(lens.root, "activations", model, layer), lo, hi))
+                blocks = {layer: layer_data(store.partition("activations", model, layer).seqs(lo, hi))
                           for layer in layers}
                 orig = original_output(lm, input_ids[lo:hi], cfg.patch_batch, resume=(first, blocks[first].y_full),
                                        returns_tuple=returns_tuple)
                 for layer in layers:
                     data = blocks.pop(layer)
-                    fits = fits_from_table(read_seq_range(partition_file(lens.root, "local_fits", model, layer), lo, hi), data)
+                    fits = fits_from_table(store.partition("local_fits", model, layer).seqs(lo, hi), data)
                     rows[layer] += functional_rows(lm, data, fits, orig, cfg, returns_tuple, positions)
                     if lo == 0:
                         verdicts[f"{model}:{layer:02d}"] = checks.check_identity_patch(
@@ -71,11 +71,12 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
                     bar.update(hi - lo)
                 del orig
         for layer in layers:
-            fm, fs = functional_tables_from_rows(rows.pop(layer), cfg, Provenance.of_rows(heads[layer], cfg), layer)
-            stored_fm = written.add(lens.root, "functional_metrics", model, layer, fm)
-            stored_fs = written.add(lens.root, "functional_summary", model, layer, fs)
-            written.add(lens.root, "functional_bootstrap", model, layer,
-                        functional_bootstrap_table(stored_fm, cfg, Provenance.of_rows(heads[layer], cfg), layer))
+            prov = Provenance.of_rows(heads[layer], cfg)
+            fm, fs = functional_tables_from_rows(rows.pop(layer), cfg, prov, layer)
+            stored_fm = written.add(store.partition("functional_metrics", model, layer), fm)
+            stored_fs = written.add(store.partition("functional_summary", model, layer), fs)
+            written.add(store.partition("functional_bootstrap", model, layer),
+                        functional_bootstrap_table(stored_fm, cfg, prov, layer))
             for row in stored_fs.to_pylist():
                 if row["variant"] == "patch":
                     written.note(model, layer, **{f"kl_mean_{row['fn_class']}": row["kl_mean"],
@@ -83,5 +84,5 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
             verdict = checks.check_functional(stored_fm, stored_fs, lens.checks)
             verdict.merge(verdicts[f"{model}:{layer:02d}"])
             verdicts[f"{model}:{layer:02d}"] = verdict
-    return finish(lens.root, cfg, written, check_results=[
+    return finish(store, cfg, written, check_results=[
         checks.result("functional_metrics", "functional_valid", verdicts, lens.checks)])

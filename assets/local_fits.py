@@ -7,45 +7,44 @@ import dagster as dg
 import numpy as np
 
 from updatelens.assets import checks
-from updatelens.tables import Provenance
 from updatelens.assets.common import Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.storage.layout import iter_parts, partition_file, partition_writer, read_partition_columns
 from updatelens.analysis import fit_row_parts, layer_neighbours, transition_from_parts
 from updatelens.fits import fit_layer
+from updatelens.tables import Provenance
 
 
 @stage_asset
 def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
+    store = lens.store
     written = Written()
     verdicts: dict[str, checks.Verdict] = {}
     audits: dict[str, checks.Verdict] = {}
-    for model, layers in each_model(context, lens.root):
+    for model, layers in each_model(context, store):
         for layer in layers:
-            prov = Provenance.of_rows(check_upstream(lens.root, "activations", model, layer, cfg), cfg)
-            n_kept = int(read_partition_columns(lens.root, "activations", model, layer, ["kept"])["kept"]
-                         .to_numpy(zero_copy_only=False).sum())
-            source = partition_file(lens.root, "activations", model, layer)
-            data = transition_from_parts(iter_parts(source, ["layer", "seq", "pos", "kept", "x", "y"]), n_kept)
+            prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg)
+            source = store.partition("activations", model, layer)
+            n_kept = int(source.read(["kept"])["kept"].to_numpy(zero_copy_only=False).sum())
+            data = transition_from_parts(source.parts(["layer", "seq", "pos", "kept", "x", "y"]), n_kept)
             neighbours = layer_neighbours(data, cfg)
             context.log.info(f"{model} layer {layer}: neighbours of {n_kept} tokens found ({cfg.index} index)")
             degenerate = 0
-            with partition_writer(lens.root, "local_fits", model, layer) as sink:
+            target = store.partition("local_fits", model, layer)
+            with target.writer() as sink:
                 for fn_class in cfg.classes:
                     fit = fit_layer(fn_class, data.x, data.y, data.seq, neighbours, cfg, label=f"{model} layer {layer}: ")
                     for part in fit_row_parts(data, fit, neighbours, prov, layer):
                         sink.write(part)
                     degenerate += int(np.sum(fit.degenerate))
                     del fit
-            path = partition_file(lens.root, "local_fits", model, layer)
-            written.record(path, "local_fits", model, layer, sink.rows)
+            written.record(target, sink.rows)
             written.note(model, layer, degenerate_fits=degenerate)
-            verdicts[f"{model}:{layer:02d}"] = checks.check_fits(iter_parts(path, ["fn_class", "seq", "pos", "degenerate", "tx"]),
+            verdicts[f"{model}:{layer:02d}"] = checks.check_fits(target.parts(["fn_class", "seq", "pos", "degenerate", "tx"]),
                                                                  cfg, data.x.shape[1], lens.checks, data.x, neighbours)
-            audits[f"{model}:{layer:02d}"] = checks.refit_audit(iter_parts(path, ["fn_class", "neighbours", "tx"]),
+            audits[f"{model}:{layer:02d}"] = checks.refit_audit(target.parts(["fn_class", "neighbours", "tx"]),
                                                                 data.x, data.y, cfg, lens.checks)
             context.log.info(f"{model} layer {layer}: fitted {', '.join(cfg.classes)}")
-    return finish(lens.root, cfg, written, check_results=[
+    return finish(store, cfg, written, check_results=[
         checks.result("local_fits", "fits_valid", verdicts, lens.checks),
         checks.result("local_fits", "fits_refit_audit", audits, lens.checks)])

@@ -23,16 +23,10 @@ from updatelens.reports.build import (
     build_comparison,
     build_model_report,
 )
-from updatelens.storage import catalog
 from updatelens.stages import SWEEP_TABLES
-from updatelens.storage.layout import (
-    clear_sweeps,
-    model_lock,
-    sweep_root,
-    write_partition,
-    write_sweep_run,
-)
+from updatelens.storage.layout import clear_sweeps, sweep_root, write_sweep_run
 from updatelens.storage.location import url
+from updatelens.storage.store import Store
 from updatelens import CODE_VERSION
 from updatelens.sweep import (
     DEFAULT_GRID,
@@ -142,25 +136,26 @@ def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource
     bad = [layer for layer in layers if not 0 <= layer < lm.n_layers]
     if bad:
         raise ValueError(f"{model} has {lm.n_layers} layers; no layer {bad}")
-    root = lens.root
+    store = lens.store
 
     def write(run, layer: int, tables: dict) -> None:
+        family = Store.open(sweep_root(store.root, run.config.config_id))
         for table in SWEEP_TABLES:
-            write_partition(sweep_root(root, run.config.config_id), table, model, layer, tables[table])
+            family.partition(table, model, layer).write(tables[table])
 
-    with model_lock(root, model):
-        clear_sweeps(root, model)
+    with store.lock(model):
+        clear_sweeps(store.root, model)
         sweep(lm, lens.sample(lm), runs, layers, write, log=context.log.info)
         for run in runs:
-            write_sweep_run(root, model, run.config.config_id, run_record(model, run, base, layers))
-    catalog.refresh(root)
-    sensitivity = catalog.query(root, f"SELECT finding, convention, setting, round(value, 3) AS value, holds, flips "
-                                      f"FROM sensitivity WHERE model = $1", [model])
+            write_sweep_run(store.root, model, run.config.config_id, run_record(model, run, base, layers))
+    store.refresh()
+    sensitivity = store.query(f"SELECT finding, convention, setting, round(value, 3) AS value, holds, flips "
+                              f"FROM sensitivity WHERE model = $1", [model])
     return dg.MaterializeResult(metadata={
         "configs": len(runs),
         "layers": ", ".join(map(str, layers)),
         "config_ids": ", ".join(f"{r.convention}={r.setting}: {r.config.config_id}" for r in runs),
-        "sweeps_path": dg.MetadataValue.path(url(root / "sweeps")),
+        "sweeps_path": dg.MetadataValue.path(url(store.root / "sweeps")),
         "verdicts_flipped": int(sensitivity["flips"].sum()),
         "sensitivity": dg.MetadataValue.md(_md_table(sensitivity)),
     })

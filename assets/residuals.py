@@ -5,24 +5,14 @@ Streams over blocks of whole sequences: memory holds one block whatever the samp
 import dagster as dg
 import numpy as np
 import pyarrow.compute as pc
-from upath import UPath
 
 from updatelens.assets import checks
-from updatelens.tables import Provenance
-from updatelens.assets.common import (
-    Written,
-    check_upstream,
-    each_model,
-    finish,
-   
-    read_block,
-    seq_blocks,
-    stage_asset,
-)
+from updatelens.assets.common import Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.storage.integrity import partition_error
-from updatelens.storage.layout import partition_file, partition_writer, read_partition_columns
+from updatelens.storage.store import Partition
 from updatelens.analysis import residuals_table
+from updatelens.tables import Provenance
 
 SCALARS = ["fn_class", "seq", "pos", "rel_err", "norm_full", "norm_tok", "norm_res"]
 
@@ -30,29 +20,30 @@ SCALARS = ["fn_class", "seq", "pos", "rel_err", "norm_full", "norm_tok", "norm_r
 @stage_asset
 def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     cfg = lens.config()
+    store = lens.store
     written = Written()
     recon: dict[str, checks.Verdict] = {}
     bounds: dict[str, checks.Verdict] = {}
     drift: dict[str, checks.Verdict] = {}
     blown: dict[str, checks.Verdict] = {}
-    for model, layers in each_model(context, lens.root):
+    for model, layers in each_model(context, store):
         for layer in layers:
-            prov = Provenance.of_rows(check_upstream(lens.root, "activations", model, layer, cfg), cfg)
-            check_upstream(lens.root, "local_fits", model, layer, cfg)
+            prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg)
+            check_upstream(store, "local_fits", model, layer, cfg)
             key = f"{model}:{layer:02d}"
-            previous = _previous_quantiles(lens.root, model, layer, cfg.config_id)
+            target = store.partition("residuals", model, layer)
+            previous = _previous_quantiles(target, cfg.config_id)
             gaps = checks.Verdict()
             n_kept = 0
-            with partition_writer(lens.root, "residuals", model, layer) as sink:
+            with target.writer() as sink:
                 for lo, hi in seq_blocks(cfg):
-                    data, fits = read_block(lens.root, model, layer, lo, hi)
+                    data, fits = read_block(store, model, layer, lo, hi)
                     table = residuals_table(data, fits, prov)
                     gaps.merge(checks.check_reconstruction_gap(table, data, fits, lens.checks))
                     sink.write(table)
                     n_kept += int(data.kept.sum())
-            path = partition_file(lens.root, "residuals", model, layer)
-            written.record(path, "residuals", model, layer, sink.rows)
-            stored = read_partition_columns(lens.root, "residuals", model, layer, SCALARS)
+            written.record(target, sink.rows)
+            stored = target.read(SCALARS)
             recon[key] = checks.check_reconstruction(stored, n_kept, cfg, gaps)
             bounds[key] = checks.check_rel_err_bounds(stored, lens.checks)
             drift[key] = checks.check_rel_err_drift(stored, previous, lens.checks)
@@ -60,7 +51,7 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
             for fn_class in cfg.classes:
                 part = stored.filter(pc.equal(stored["fn_class"], fn_class))
                 written.note(model, layer, **{f"rel_err_median_{fn_class}": float(np.median(part["rel_err"].to_numpy()))})
-    return finish(lens.root, cfg, written, check_results=[
+    return finish(store, cfg, written, check_results=[
         checks.result("residuals", "residuals_match_fits", recon, lens.checks),
         checks.result("residuals", "rel_err_within_bounds", bounds, lens.checks),
         checks.result("residuals", "rel_err_drift", drift, lens.checks),
@@ -68,13 +59,12 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
     ])
 
 
-def _previous_quantiles(root: UPath, model: str, layer: int, config_id: str) -> dict[str, list[float]] | None:
+def _previous_quantiles(part: Partition, config_id: str) -> dict[str, list[float]] | None:
     """The relative error quantiles of the partition this run replaces, if it verifies and has the
     same configuration (read before it is replaced)."""
-    path = partition_file(root, "residuals", model, layer)
-    if partition_error(path) is not None:
+    if partition_error(part.file) is not None:
         return None
-    old = read_partition_columns(root, "residuals", model, layer, ["fn_class", "rel_err", "config_id"])
+    old = part.read(["fn_class", "rel_err", "config_id"])
     if not len(old) or old["config_id"][0].as_py() != config_id:
         return None
     return checks.rel_err_quantiles(old)

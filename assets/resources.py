@@ -18,6 +18,7 @@ from upath import UPath
 
 from updatelens.assets.checks import CheckSettings
 from updatelens.storage.location import as_root
+from updatelens.storage.store import Store
 from updatelens.config import AnalysisConfig, json_object_env
 from updatelens.corpus import Sample, make_sample
 from updatelens.models import LoadedModel, load_model
@@ -77,6 +78,11 @@ class UpdateLensResource(dg.ConfigurableResource):
     def root(self) -> UPath:
         """A local folder or an object-store URL (storage.location)."""
         return as_root(self.data_root)
+
+    @property
+    def store(self) -> Store:
+        """The data root opened: partitions, locks and the SQL catalog (storage.store)."""
+        return Store.open(self.data_root)
 
     def config(self) -> AnalysisConfig:
         return AnalysisConfig.from_dict(self.analysis.model_dump())  # type: ignore[attr-defined]

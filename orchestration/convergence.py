@@ -19,7 +19,6 @@ from updatelens.orchestration.runner import (
     materialize_model,
     stale_layers,
 )
-from updatelens.storage import catalog
 from updatelens.storage.layout import convergence_root
 from updatelens.storage.location import url
 from updatelens.config import preset_layers
@@ -79,11 +78,11 @@ def run_convergence(plan: ConvergencePlan, instance: dg.DagsterInstance, force: 
 
 def convergence_table(lens: UpdateLensResource, model: str) -> pl.DataFrame:
     """The model's rows of the `convergence` view (a polars frame), values rounded for display."""
-    catalog.refresh(lens.root)
-    return catalog.query(lens.root, "SELECT finding, fn_class, n_tokens, round(value, 3) AS value, "
-                                    "round(ci_lo, 3) AS ci_lo, round(ci_hi, 3) AS ci_hi, verdict, threshold "
-                                    "FROM convergence WHERE model = $1 ORDER BY finding, fn_class, n_tokens",
-                         [model])
+    store = lens.store
+    store.refresh()
+    return store.query("SELECT finding, fn_class, n_tokens, round(value, 3) AS value, "
+                       "round(ci_lo, 3) AS ci_lo, round(ci_hi, 3) AS ci_hi, verdict, threshold "
+                       "FROM convergence WHERE model = $1 ORDER BY finding, fn_class, n_tokens", [model])
 
 
 class ConvergeConfig(dg.Config):

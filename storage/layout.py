@@ -192,6 +192,7 @@ def _commit_remote(root: UPath, final: UPath, tmp: Path) -> None:
     try:
         for name in names:  # upload to temporary keys: nothing under `final` changes yet
             fs.put_file(str(tmp / name), (staging / name).path)
+        _quarantine_damaged_remote(root, final)
         for name in names:  # commit: one server-side copy per object, the entry file last
             fs.copy((staging / name).path, (final / name).path)
         new = {(final / name).path for name in names}
@@ -201,6 +202,17 @@ def _commit_remote(root: UPath, final: UPath, tmp: Path) -> None:
     finally:
         if _find(staging):
             fs.rm(staging.path, recursive=True)
+
+
+def _quarantine_damaged_remote(root: UPath, final: UPath) -> None:
+    """On an object store, the damaged Parquet objects of a partition about to be replaced go to the
+    quarantine (with their manifest) instead of being overwritten."""
+    for key in _find(final):
+        if key.endswith(".parquet"):
+            file = final / key.removeprefix(final.path).lstrip("/")
+            if reason := partition_error(file):
+                where = quarantine(root, file)
+                warnings.warn(f"replaced a damaged partition file ({reason}); kept it at {url(where)}", stacklevel=2)
 
 
 def _find(path: UPath) -> list[str]:
