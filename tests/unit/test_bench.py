@@ -111,7 +111,7 @@ def test_peak_memory_of_a_subprocess_excludes_its_parent() -> None:
     import sys
 
     parent = np.ones(400 * 2**20 // 8)  # 400 MiB resident in this process
-    code = "from orchestration.cli import _peak_rss_gib; print(_peak_rss_gib())"
+    code = "from updatelens.orchestration.commands import _peak_rss_gib; print(_peak_rss_gib())"
     child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert parent.sum() > 0 and child < 0.3
 

@@ -54,7 +54,7 @@ def test_study_preset_and_its_layers() -> None:
 
 
 def test_layer_lists_and_ranges_parse_or_name_the_bad_part() -> None:
-    from updatelens.orchestration.cli import _parse_layers
+    from updatelens.orchestration.commands import _parse_layers
 
     assert _parse_layers("3-7,10") == [3, 4, 5, 6, 7, 10]
     assert _parse_layers("0,15,29") == [0, 15, 29]

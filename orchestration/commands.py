@@ -1,0 +1,404 @@
+"""The bodies of the `updatelens` commands (cli.py parses the arguments and dispatches here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from updatelens.orchestration.output import print_frame
+
+if TYPE_CHECKING:
+    import dagster as dg
+
+    from updatelens.assets.resources import UpdateLensResource
+
+SUMMARY_SQL = """
+SELECT layer, fn_class, n_tokens,
+       round(rel_err_median, 3) AS rel_err_med,
+       round(cos_full_tok_median, 3) AS cos_upd,
+       round(cos_full_tok_map_median, 3) AS cos_map,
+       round(frac_res_angle_gt60, 3) AS res_gt60,
+       round(proj_tok_m16, 3) AS proj_tok16,
+       round(proj_res_m16, 3) AS proj_res16,
+       round(kl_mean, 4) AS kl_mean,
+       round(spearman_relerr_kl, 3) AS rho_relerr_kl
+FROM layer_summary WHERE model = $1 AND config_id = $2
+ORDER BY layer, fn_class
+"""
+
+
+def _parse_layers(text: str | None) -> list[int] | None:
+    """"3-7", "0,15,29" or "3-7,10" -> sorted layers; ValueError naming the bad part."""
+    if not text:
+        return None
+    layers: set[int] = set()
+    for part in text.split(","):
+        a, dash, b = part.strip().partition("-")
+        if not a.isdigit() or (dash and not b.isdigit()):
+            raise ValueError(f"--layers {text!r}: {part!r} is not a layer or a range like 3-7")
+        layers.update(range(int(a), int(b) + 1) if dash else [int(a)])
+    return sorted(layers)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, object]:
+    from updatelens.config import PRESETS
+    from updatelens.errors import ConfigError
+
+    preset = getattr(args, "preset", None)
+    if preset and preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    settings: dict[str, object] = dict(PRESETS[preset]) if preset else {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        try:
+            settings[key] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key] = value
+    if args.classes:
+        settings["classes"] = args.classes.split(",")
+    for name in ("n_seq", "seq_len", "k", "rank"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    return settings
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import dagster as dg
+
+    from updatelens.orchestration.deployments import PROFILE_ENV, active_profile
+    from updatelens.orchestration.runner import (
+        check_inputs,
+        check_verdicts,
+        contiguous_ranges,
+        failure_message,
+        materialize_layers_distributed,
+        materialize_model,
+        project_dagster_home,
+        stale_layers,
+    )
+    from updatelens.config import preset_layers
+    from updatelens.errors import UpdateLensError
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
+    if sys.stderr.isatty():  # progress bars on this terminal (Dagster captures the steps' stderr)
+        os.environ.setdefault("UPDATELENS_PROGRESS", "tty")
+    try:
+        profile = active_profile(args.profile)
+        os.environ[PROFILE_ENV] = profile.name  # the run processes and their workers build the same executor
+        lens = _lens_from(args)
+        cfg = lens.config()
+        cfg.validate()
+    except (UpdateLensError, ValueError) as exc:
+        print(f"updatelens run: {exc}", file=sys.stderr)
+        return 2
+    print(f"updatelens: model {args.model}, corpus {args.corpus}, config {cfg.config_id}, data {lens.data_root}",
+          flush=True)
+    start = time.perf_counter()
+    try:
+        layers = _parse_layers(args.layers)
+        report = check_inputs(args.model, lens, layers)
+    except (UpdateLensError, ValueError, OSError) as exc:
+        print(f"updatelens run: {exc}", file=sys.stderr)
+        return 2
+    wanted = layers or (preset_layers(args.preset, report.n_layers) if args.preset else list(range(report.n_layers)))
+    todo = wanted if args.force else stale_layers(lens, args.model, wanted)
+    if not todo:
+        print("every requested partition is up to date (same code version and config); --force recomputes")
+    checks: list[tuple[str, bool, str]] = []  # (asset.check, passed, description)
+    failures: list[str] = []
+    with dg.DagsterInstance.get() as instance:  # entering makes it the current instance for Dagster
+        if profile.per_layer_runs and todo:
+            print(f"profile {profile.name}: one run per layer for {len(todo)} layers, {args.max_runs} at a time",
+                  flush=True)
+            for run in materialize_layers_distributed(args.model, lens, instance, todo, args.max_runs, report=report):
+                checks += [(f"{name} (layer {run.layer})", passed, text) for name, passed, text in run.checks]
+                where = ", ".join(f"{step}@{host}" for step, host in run.workers.items())
+                print(f"  layer {run.layer}: run {run.run_id} {'ok' if run.success else 'FAILED'}"
+                      + (f"; steps ran on {where}" if where else ""))
+                failures += [f"layer {run.layer}: {run.failure}"] if not run.success else []
+        for layer_range in contiguous_ranges(todo) if not profile.per_layer_runs else []:
+            print(f"running layers {layer_range[0]}-{layer_range[-1]}", flush=True)
+            result = materialize_model(args.model, lens, instance, layers=layer_range, log_level="INFO",
+                                       raise_on_error=False, report=report)
+            checks += check_verdicts(result)
+            failures += [failure_message(result)] if not result.success else []
+    wall = time.perf_counter() - start
+    peak = _peak_rss_gib()
+    if checks:
+        print("\nData-quality checks:")
+    for name, passed, text in checks:
+        print(f"  {name}: {'passed' if passed else 'FAILED'}" + (f" - {text}" if text else ""))
+    if failures:
+        print(f"updatelens run: the run failed: {failures[0]}", file=sys.stderr)
+        return 1
+    print(f"\nPer-layer summary ({args.model}, config {cfg.config_id}; SQL view layer_summary):")
+    print_frame(lens.store.query(SUMMARY_SQL, [args.model, cfg.config_id]))
+    where = "of the launcher; the steps ran in the workers" if profile.per_layer_runs else "of this process"
+    print(f"\npipeline wall time {wall:.1f} s, peak RSS {peak:.2f} GiB ({where}); "
+          f"catalog {lens.store.catalog_path() or 'in memory (updatelens sql)'}")
+    if args.summary_json:  # for scripts (the bench): the same figures, machine-readable
+        Path(args.summary_json).write_text(json.dumps({"pipeline_s": wall, "peak_rss_gib": peak, "layers": todo,
+                                                       "model": args.model, "config_id": cfg.config_id}))
+    with dg.DagsterInstance.get() as instance:
+        return _reports([args.model], lens, instance)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """A Celery worker for the `celery` profile (replaces this process)."""
+    import importlib.util
+    import socket
+
+    from updatelens.errors import ConfigError
+    from updatelens.orchestration.deployments import PROFILE_ENV
+
+    if importlib.util.find_spec("dagster_celery") is None:
+        raise ConfigError("the celery profile needs dagster-celery: pip install 'updatelens[celery]'")
+
+    os.environ[PROFILE_ENV] = "celery"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    name = args.name or f"{args.queues.replace(',', '-')}-{os.getpid()}@{socket.gethostname()}"
+    cmd = [sys.executable, "-m", "celery", "-A", "updatelens.orchestration.celery_app", "worker", "-Q", args.queues, "-n", name,
+           "--prefetch-multiplier", "1", "-l", args.loglevel]
+    cmd += ["--pool", "solo"] if args.concurrency == 1 else ["--concurrency", str(args.concurrency)]
+    print(" ".join(cmd), flush=True)
+    os.execvp(cmd[0], cmd)
+    return 0  # not reached
+
+
+def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterInstance) -> int:
+    """Materialize the models' reports and the comparison; print where they are."""
+    from updatelens.orchestration.runner import failure_message, materialize_reports
+    from updatelens.reports.build import COMPARISON, reports_root
+
+    results = materialize_reports(models, lens, instance, raise_on_error=False)
+    for result in results:
+        if not result.success:
+            print(f"updatelens: the report failed: {failure_message(result)}", file=sys.stderr)
+            return 1
+    base = reports_root(lens.root)
+    print("\nFindings (SQL view findings):")
+    print_frame(lens.store.query("SELECT model, finding, fn_class, round(value, 3) AS value, threshold, "
+                                 "holds FROM findings WHERE list_contains($1, model) ORDER BY model, finding",
+                                 [list(models)]))
+    for model in models:
+        print(f"report: {base / model / 'index.html'}")
+    print(f"comparison across models: {base / COMPARISON / 'index.html'}")
+    return 0
+
+
+def _lens_from(args: argparse.Namespace) -> UpdateLensResource:
+    from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+    from updatelens.storage.location import is_url
+
+    kwargs: dict[str, object] = {}
+    if getattr(args, "corpus", None):
+        kwargs["corpus"] = args.corpus
+    if args.data_root:
+        kwargs["data_root"] = args.data_root if is_url(args.data_root) else str(Path(args.data_root).resolve())
+    if getattr(args, "registry", None):
+        kwargs["registry"] = str(Path(args.registry).resolve())
+    return UpdateLensResource(analysis=AnalysisSettings(**_settings(args)), **kwargs)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Rebuild reports from stored results: no model is loaded, nothing is recomputed."""
+    import dagster as dg
+
+    from updatelens.orchestration.runner import project_dagster_home
+
+    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
+    lens = _lens_from(args)
+    stored = lens.store.query("SELECT DISTINCT model FROM layer_summary ORDER BY model") \
+        if lens.store.has_files("geometry") else None
+    available = stored["model"].to_list() if stored is not None else []
+    models = [args.model] if args.model else available
+    missing = [m for m in models if m not in available]
+    if not models or missing:
+        what = f"model {missing[0]!r}" if missing else "any model"
+        print(f"updatelens report: no results for {what} under {lens.root}; stored: "
+              f"{', '.join(available) or 'none'} (run `updatelens run --model ...` first)", file=sys.stderr)
+        return 2
+    with dg.DagsterInstance.get() as instance:
+        return _reports(models, lens, instance)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """A convention sweep for one model; then its report (with the sensitivity table)."""
+    import dagster as dg
+
+    from updatelens.orchestration.runner import (
+        check_inputs,
+        failure_message,
+        materialize_sweep,
+        project_dagster_home,
+    )
+    from updatelens.errors import UpdateLensError
+    from updatelens.sweep import DEFAULT_GRID, parse_grid, sweep_baseline, sweep_runs
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
+    sweep_config: dict[str, object] = {"grid": args.grid or json.dumps(DEFAULT_GRID)}
+    if args.layers:
+        sweep_config["layers"] = _parse_layers(args.layers)
+    if args.n_layers:
+        sweep_config["n_layers"] = args.n_layers
+    if args.with_controls:
+        sweep_config["with_controls"] = True
+    try:
+        lens = _lens_from(args)
+        runs = sweep_runs(sweep_baseline(lens.config(), args.with_controls), parse_grid(str(sweep_config["grid"])))
+        check_inputs(args.model, lens, _parse_layers(args.layers))
+    except (UpdateLensError, ValueError, OSError) as exc:
+        print(f"updatelens sweep: {exc}", file=sys.stderr)
+        return 2
+    print(f"updatelens sweep: {args.model}, {len(runs)} configurations: "
+          + ", ".join(f"{r.convention}={r.setting} ({r.config.config_id})" for r in runs), flush=True)
+    start = time.perf_counter()
+    with dg.DagsterInstance.get() as instance:
+        result = materialize_sweep(args.model, lens, instance, sweep_config, raise_on_error=False)
+        if not result.success:
+            print(f"updatelens sweep: the sweep failed: {failure_message(result)}", file=sys.stderr)
+            return 1
+        print(f"\nsweep wall time {time.perf_counter() - start:.1f} s. Sensitivity (SQL view sensitivity):")
+        print_frame(lens.store.query("SELECT finding, convention, setting, fn_class, round(value, 3) AS value, "
+                                     "holds, round(delta, 3) AS delta, flips FROM sensitivity "
+                                     "WHERE model = $1 ORDER BY finding, convention, setting", [args.model]))
+        has_main = lens.store.has_model("geometry", args.model)
+        return _reports([args.model], lens, instance) if has_main else 0
+
+
+def cmd_converge(args: argparse.Namespace) -> int:
+    """Nested samples of one model (the first n windows, for growing n), each analysed in full;
+    the `convergence` view shows every finding at every size with its interval."""
+    import dagster as dg
+
+    from updatelens.orchestration.convergence import convergence_table, plan_convergence, run_convergence
+    from updatelens.orchestration.runner import project_dagster_home
+    from updatelens.errors import UpdateLensError
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
+    try:
+        lens = _lens_from(args)
+        tokens = [int(t) for t in args.tokens.split(",")]
+        plan = plan_convergence(args.model, lens, tokens, _parse_layers(args.layers))
+    except (UpdateLensError, ValueError, OSError) as exc:
+        print(f"updatelens converge: {exc}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    with dg.DagsterInstance.get() as instance:
+        failure = run_convergence(plan, instance, args.force, log=lambda line: print(line, flush=True))
+    if failure is not None:
+        print(f"updatelens converge: the run failed: {failure}", file=sys.stderr)
+        return 1
+    print(f"\nconverge wall time {time.perf_counter() - start:.1f} s, peak RSS {_peak_rss_gib():.2f} GiB. "
+          f"Convergence (SQL view convergence):")
+    print_frame(convergence_table(lens, args.model))
+    return 0
+
+
+def _peak_rss_gib() -> float:
+    """High-water mark of this process's memory (the run executes in-process).
+
+    VmHWM belongs to the process image: unlike ru_maxrss, it does not carry over the RSS of the
+    parent it was forked from (a subprocess of a large process, like the bench's pipeline runs,
+    would otherwise report the parent's size)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    import duckdb
+
+    from updatelens.assets.resources import default_data_root
+    from updatelens.storage import catalog
+
+    root = args.data_root or default_data_root()
+    try:
+        frame = catalog.query(root, args.query, write=args.write)
+    except (duckdb.Error, catalog.ReadOnlyError) as exc:
+        print(f"updatelens sql: {exc}", file=sys.stderr)
+        return 2
+    print_frame(frame)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Every stored partition file checked against its manifest; damaged ones listed and, with --repair,
+    moved to <root>/_quarantine/ (the next `updatelens run` recomputes them); incomplete layers listed."""
+    from updatelens.assets.resources import default_data_root
+    from updatelens.storage import catalog
+    from updatelens.storage.integrity import incomplete_layers, quarantine
+    from updatelens.stages import TABLES
+
+    root = args.data_root or default_data_root()
+    damaged = catalog.verify_root(root).damaged
+    for d in damaged:
+        print(f"damaged: {d.path}: {d.reason}")
+        if args.repair:
+            print(f"  quarantined to {quarantine(root, d.path)}")
+    incomplete = incomplete_layers(root, TABLES)
+    for model, layer, missing in incomplete:
+        print(f"incomplete: model={model} layer={layer}: no {', '.join(missing)}")
+    if args.repair and damaged:
+        catalog.refresh(root)
+    if not damaged and not incomplete:
+        print("every stored partition verifies; every stored layer is complete")
+        return 0
+    if damaged and not args.repair:
+        print("run `updatelens verify --repair` to move the damaged files aside; `updatelens run` then recomputes "
+              "them and the incomplete layers")
+    elif incomplete or damaged:
+        print("`updatelens run` (with the same --layers and settings) recomputes what is missing")
+    return 1
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from updatelens.orchestration.runner import project_dagster_home
+
+    env = dict(os.environ, DAGSTER_HOME=str(project_dagster_home()), HF_HUB_OFFLINE="1")
+    # the code location by module (what workspace.yaml names): works from any directory, installed or not
+    cmd = [sys.executable, "-m", "dagster", "dev", "-m", "updatelens.orchestration.definitions", "-h", args.host, "-p", str(args.port)]
+    print(f"Dagster UI on http://{args.host}:{args.port} (DAGSTER_HOME={env['DAGSTER_HOME']})", flush=True)
+    # restore default signal handling so SIGTERM stops the server even when started with `&`
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: (
+        signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)))
+
+    def forward(signum: int, _frame: object) -> None:
+        proc.send_signal(signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return proc.wait()
+
+
+def cmd_notebook(args: argparse.Namespace) -> int:
+    """Open the exploration notebook (marimo) over the data root's catalog."""
+    import importlib.util
+
+    from updatelens.errors import ConfigError
+
+    if importlib.util.find_spec("marimo") is None or importlib.util.find_spec("altair") is None:
+        raise ConfigError("the notebook needs marimo and altair: pip install 'updatelens[notebook]'")
+    from updatelens.reports import notebook
+    env = dict(os.environ, UPDATELENS_DATA=str(args.data_root or os.environ.get("UPDATELENS_DATA", "data")))
+    cmd = [sys.executable, "-m", "marimo", "edit", notebook.__file__, "--host", args.host, "--port", str(args.port)]
+    if args.headless:
+        cmd.append("--headless")
+    print(" ".join(cmd), flush=True)
+    return subprocess.call(cmd, env=env)
