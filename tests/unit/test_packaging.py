@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from updatelens import CODE_VERSION
 from updatelens.registry import PACKAGED_REGISTRY, REPO_REGISTRY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,14 +92,36 @@ for generic in ("assets", "storage", "reports", "orchestration"):
     assert importlib.util.find_spec(generic) is None, generic
 import updatelens.assets.checks, updatelens.orchestration.definitions
 from updatelens.registry import registry_path
+from updatelens import CODE_VERSION
 print(updatelens.assets.checks.__file__)
 print(registry_path())
+print(CODE_VERSION)
 """
     out = subprocess.run([sys.executable, "-c", probe], cwd=outside, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
-    checks_file, registry = out.stdout.split()
+    checks_file, registry, installed_version = out.stdout.split()
     assert checks_file.startswith(str(site)) and registry == str(site / "updatelens" / "default_registry.toml")
+    # the version recorded with every row counts the same sources whether installed or checked out
+    assert installed_version == CODE_VERSION
     cli = subprocess.run([sys.executable, "-m", "updatelens.orchestration.cli", "--help"], cwd=outside, env=env,
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0 and "usage: updatelens" in cli.stdout, cli.stderr
+
+
+def test_the_code_version_follows_the_engine_assets_and_storage_not_the_rest(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import updatelens
+
+    for name in updatelens._MAPPED:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mod.py").write_text("X = 1\n")
+    monkeypatch.setattr(updatelens, "_mapped_dir", lambda name: tmp_path / name)
+    before = updatelens._source_hash()
+    (tmp_path / "reports" / "mod.py").write_text("X = 2\n")
+    (tmp_path / "orchestration" / "mod.py").write_text("X = 2\n")
+    assert updatelens._source_hash() == before  # reports and the CLI do not change stored rows
+    (tmp_path / "assets" / "mod.py").write_text("X = 2\n")
+    after_assets = updatelens._source_hash()
+    (tmp_path / "storage" / "mod.py").write_text("X = 2\n")
+    assert len({before, after_assets, updatelens._source_hash()}) == 3
