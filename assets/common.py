@@ -34,9 +34,7 @@ def check_upstream(store: Store, table: str, model: str, layer: int, cfg: Analys
     """The provenance of an upstream partition (its first row), after checking that it was produced
     under this run's configuration: reads a few columns of one row group, not the partition."""
     part = store.partition(table, model, layer)
-    if not part.exists():
-        raise FileNotFoundError(f"{table} for model={model} layer={layer} is not materialized "
-                                f"({part.url}); materialize the upstream asset first")
+    part.require()
     head = next(part.parts(list(PROVENANCE_COLUMNS)))
     found = head["config_id"][0].as_py() if len(head) else cfg.config_id
     if found != cfg.config_id:

@@ -342,12 +342,19 @@ def partition_locks(root: str | Path, model: str, layers: Iterable[int]) -> Iter
         yield
 
 
-def read_partition(root: str | Path, table_name: str, model: str, layer: int) -> pa.Table:
+def existing_partition_file(root: str | Path, table_name: str, model: str, layer: int) -> UPath:
+    """A partition's file; FileNotFoundError naming the partition when it is not there."""
     path = partition_file(root, table_name, model, layer)
     if not path.exists():
         raise FileNotFoundError(f"{table_name} for model={model} layer={layer} is not materialized "
                                 f"({url(path)}); materialize the upstream asset first")
-    return read_file(path)
+    return path
+
+
+def read_partition(root: str | Path, table_name: str, model: str, layer: int,
+                   columns: list[str] | None = None) -> pa.Table:
+    """All or some columns of one partition (the scalar ones are small whatever the vectors weigh)."""
+    return read_file(existing_partition_file(root, table_name, model, layer), columns)
 
 
 def _remove_dir(root: UPath, path: UPath) -> bool:
@@ -365,15 +372,6 @@ def _remove_dir(root: UPath, path: UPath) -> bool:
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
     return True
-
-
-def read_partition_columns(root: str | Path, table_name: str, model: str, layer: int,
-                           columns: list[str] | None = None) -> pa.Table:
-    """Some columns of one partition (the scalar ones are small whatever the vectors weigh)."""
-    path = partition_file(root, table_name, model, layer)
-    if not is_local(path):
-        return pq.read_table(path.path, filesystem=path.fs, columns=columns)
-    return pq.read_table(path, columns=columns)
 
 
 def delete_partition(root: str | Path, table_name: str, model: str, layer: int) -> None:

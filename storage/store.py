@@ -54,12 +54,13 @@ class Partition:
         """Replace the partition whole with `table`; returns its file."""
         return layout.write_partition(self.store.root, self.table, self.model, self.layer, table)
 
+    def require(self) -> UPath:
+        """The file; FileNotFoundError naming the partition when it is not materialized."""
+        return layout.existing_partition_file(self.store.root, self.table, self.model, self.layer)
+
     def read(self, columns: list[str] | None = None) -> pa.Table:
         """All or some columns (the scalar ones are small whatever the vectors weigh)."""
-        if not self.exists():
-            raise FileNotFoundError(f"{self.table} for model={self.model} layer={self.layer} is not materialized "
-                                    f"({self.url}); materialize the upstream asset first")
-        return layout.read_file(self.file, columns)
+        return layout.read_partition(self.store.root, self.table, self.model, self.layer, columns)
 
     def parts(self, columns: list[str] | None = None) -> Iterator[pa.Table]:
         """One row group at a time (memory: one row group)."""

@@ -256,8 +256,8 @@ def verify_overhead(root: Path, pipeline_s: float | None, repeats: int = 3) -> d
     the root already, results are cached by size and mtime), against the pipeline time."""
     times = [float(subprocess.run([sys.executable, "-c", VERIFY_ONCE, str(root)], cwd=REPO, check=True,
                                   capture_output=True, text=True).stdout) for _ in range(repeats)]
-    files = sum(1 for p in root.rglob("*.parquet") if "_quarantine" not in p.parts)
-    size = sum(p.stat().st_size for p in root.rglob("*.parquet") if "_quarantine" not in p.parts)
+    parquet = [p for p in root.rglob("*.parquet") if "_quarantine" not in p.parts]
+    files, size = len(parquet), sum(p.stat().st_size for p in parquet)
     seconds = sorted(times)[len(times) // 2]
     record: dict[str, object] = {"verify_s": round(seconds, 2), "runs_s": [round(t, 2) for t in times],
                                  "files": files, "bytes": size}
