@@ -104,7 +104,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         layers = _parse_layers(args.layers)
-        report = check_inputs(args.model, lens, layers)
+        report = check_inputs(args.model, lens, layers, args.preset)
     except (UpdateLensError, ValueError, OSError) as exc:
         print(f"updatelens run: {exc}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from updatelens.storage.layout import convergence_root
 from updatelens.storage.location import url
 from updatelens.config import preset_layers
 from updatelens.errors import ConfigError
-from updatelens.preflight import Preflight
+from updatelens.preflight import Preflight, check_data_root, estimate_bytes
 
 DEFAULT_TOKENS = (2048, 8192, 32768, 131072)
 
@@ -55,8 +55,10 @@ def plan_convergence(model: str, lens: UpdateLensResource, tokens: Sequence[int]
                                     "data_root": url(convergence_root(lens.root, n_tokens // base.seq_len))})
         sub.config().validate()
         plans.append((n_tokens, sub))
-    report = check_inputs(model, plans[-1][1], list(layers) if layers else None)
+    report = check_inputs(model, plans[-1][1], list(layers) if layers else None, preset="study")
     chosen = sorted(set(layers)) if layers else preset_layers("study", report.n_layers)
+    # every size's root lies under this one: the disk must hold them all
+    check_data_root(lens.root, sum(estimate_bytes(sub.config(), len(chosen), report.d_model) for _, sub in plans))
     return ConvergencePlan(model, plans, chosen, report)
 
 

@@ -105,11 +105,13 @@ def stale_layers(lens: UpdateLensResource, model: str, layers: Sequence[int]) ->
     return [layer for layer in layers if keys[layer] in stale]
 
 
-def check_inputs(model: str, lens: UpdateLensResource, layers: Sequence[int] | None = None) -> Preflight:
-    """Everything that can be checked without loading weights (seconds, not minutes)."""
+def check_inputs(model: str, lens: UpdateLensResource, layers: Sequence[int] | None = None,
+                 preset: str | None = None) -> Preflight:
+    """Everything that can be checked without loading weights (seconds, not minutes). Without
+    `layers`, the disk check counts the preset's layers (or all)."""
     registry = Path(lens.registry)
     report = preflight(get_model(model, registry), get_corpus(lens.corpus, registry), lens.config(), lens.root,
-                       len(set(layers)) if layers else None)
+                       len(set(layers)) if layers else None, preset)
     bad = [layer for layer in layers or [] if not 0 <= layer < report.n_layers]
     if bad:
         raise ConfigError(f"{model} has {report.n_layers} layers (0..{report.n_layers - 1}); no layer {bad}")

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from updatelens.config import AnalysisConfig
+from updatelens.config import AnalysisConfig, preset_layers
 from updatelens.corpus import Sample, make_sample
 from updatelens.errors import ConfigError, ModelError, UpdateLensError
 from updatelens.models import resolve_source
@@ -108,7 +108,9 @@ def _check_object_root(root: object) -> None:
 
 
 def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_root: Path,
-              layers: int | None = None) -> Preflight:
+              layers: int | None = None, preset: str | None = None) -> Preflight:
+    """`layers`: how many layers the run analyses; None: the preset's (e.g. the study's three), or
+    all of them. The disk check counts that many."""
     from transformers import AutoTokenizer
 
     source, config = read_model_config(entry)
@@ -125,7 +127,9 @@ def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_
     except (OSError, ValueError) as exc:
         raise ModelError(f"model {entry.slug!r}: no usable tokenizer at {source}: {exc}") from exc
     sample = make_sample(corpus, tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset)
-    needed = estimate_bytes(cfg, layers or n_layers, d_model)
+    if layers is None:
+        layers = len(preset_layers(preset, n_layers)) if preset else n_layers
+    needed = estimate_bytes(cfg, layers, d_model)
     check_data_root(data_root, needed)
     return Preflight(n_layers=n_layers, d_model=d_model, max_positions=int(max_pos) if max_pos else None,
                      sample=sample, bytes_needed=needed)

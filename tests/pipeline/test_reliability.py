@@ -23,7 +23,7 @@ from updatelens.orchestration.runner import materialize_model
 from updatelens.storage import catalog
 from updatelens.stages import TABLES
 from updatelens.storage.layout import KILL_BEFORE_MANIFEST_ENV, KILL_MID_REPLACE_ENV, KILL_MID_WRITE_ENV, STAGING
-from updatelens.errors import ModelError
+from updatelens.errors import ModelError, UpdateLensError
 from updatelens.models import locate_blocks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -260,3 +260,40 @@ def test_rerun_with_the_same_config_gives_identical_tables(zoo: Path, tmp_path: 
     assert set(tables[0]) == set(TABLES)
     for t in TABLES:
         assert tables[0][t].equals(tables[1][t]), t
+
+
+def test_the_disk_check_counts_the_layers_the_run_analyses(zoo: Path, env: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The study preset analyses three layers: its disk estimate counts three, not the model's depth
+    (a 30-layer model's study was refused for 10 x the room it needs); `converge` counts every size.
+    The preflight reads no weights, so a deeper config beside the tiny model's tokenizer suffices."""
+    from updatelens.config import preset_layers
+    from updatelens.orchestration.convergence import plan_convergence
+    from updatelens.orchestration.runner import check_inputs
+    from updatelens.preflight import estimate_bytes
+
+    deep = env / "deep-llama"
+    shutil.copytree(local_model(zoo, "tiny-llama"), deep)
+    config = json.loads((deep / "config.json").read_text())
+    (deep / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 12}))
+    registry = registry_with(zoo, env / "registry.toml", f'[models.deep-llama]\nsource = "local"\npath = "{deep}"\n')
+    lens = UpdateLensResource(registry=str(registry), data_root=str(env / "data"), model="deep-llama",
+                              analysis=AnalysisSettings(n_seq=8, seq_len=16, k=4, rank=2))
+    cfg = lens.config()
+    everything = check_inputs("deep-llama", lens)
+    study = check_inputs("deep-llama", lens, preset="study")
+    assert everything.n_layers == 12 and preset_layers("study", 12) == [0, 6, 11]
+    assert study.bytes_needed == estimate_bytes(cfg, 3, study.d_model) == everything.bytes_needed // 4
+    assert check_inputs("deep-llama", lens, [1]).bytes_needed == estimate_bytes(cfg, 1, study.d_model)
+
+    sizes = [2 * 16, 8 * 16]  # the larger size alone fits, both together do not
+    larger = estimate_bytes(cfg.replace(n_seq=8), 3, study.d_model)
+
+    class Usage:
+        total, used, free = 10**12, 0, int(1.3 * larger)
+
+    monkeypatch.setattr("updatelens.preflight.shutil.disk_usage", lambda path: Usage())
+    with pytest.raises(UpdateLensError, match="GiB free, the run needs about"):
+        plan_convergence("deep-llama", lens, sizes)
+    Usage.free = 2 * larger
+    assert plan_convergence("deep-llama", lens, sizes).layers == [0, 6, 11]
