@@ -112,11 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--tokens", default="2048,8192,32768,131072",
                       help="sample sizes in tokens, multiples of seq_len (default 2048,8192,32768,131072)")
     conv.add_argument("--layers", help="layers like 3-7 or 0,15,29 (default: the first, middle and last)")
+    conv.add_argument("--preset", default="study",
+                      help="named settings of every size (default: study, so that 131k tokens is the study "
+                           "preset's run; '' for the engine's defaults); --set overrides them")
     conv.add_argument("--force", action="store_true", help="recompute sizes that are already up to date")
     conv.add_argument("--set", action="append", metavar="KEY=VALUE", help="AnalysisConfig fields of every size")
     conv.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
     conv.add_argument("--registry")
-    conv.set_defaults(func=cmd_converge, classes=None, n_seq=None, seq_len=None, k=None, rank=None, preset=None)
+    conv.set_defaults(func=cmd_converge, classes=None, n_seq=None, seq_len=None, k=None, rank=None)
 
     bench_cmd = sub.add_parser("bench", help="benchmark every hot stage against same-run references")
     bench_cmd.add_argument("--data-root")

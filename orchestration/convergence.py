@@ -21,7 +21,7 @@ from updatelens.orchestration.runner import (
 )
 from updatelens.storage.layout import convergence_root
 from updatelens.storage.location import url
-from updatelens.config import preset_layers
+from updatelens.config import PRESETS, preset_layers
 from updatelens.errors import ConfigError
 from updatelens.preflight import Preflight, check_data_root, estimate_bytes
 
@@ -37,9 +37,15 @@ class ConvergencePlan:
 
 
 def plan_convergence(model: str, lens: UpdateLensResource, tokens: Sequence[int],
-                     layers: Sequence[int] | None = None) -> ConvergencePlan:
+                     layers: Sequence[int] | None = None, preset: str = "") -> ConvergencePlan:
     """Every size's lens, checked before any weight is loaded (ConfigError names the problem).
-    Layers default to the first, middle and last."""
+    Layers default to the first, middle and last. `preset`: named settings over the lens's (the
+    study's by default in the CLI and the job, so the largest size is the study preset's run)."""
+    if preset and preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    named = {key: value for key, value in PRESETS[preset].items() if key != "n_seq"} if preset else {}
+    lens = UpdateLensResource(**{**lens.model_dump(), "analysis": AnalysisSettings(**{**lens.analysis.model_dump(),
+                                                                                      **named})})
     base = lens.config()
     sizes = sorted(set(tokens))
     if not sizes:
@@ -89,18 +95,21 @@ def convergence_table(lens: UpdateLensResource, model: str) -> pl.DataFrame:
 
 class ConvergeConfig(dg.Config):
     """The study to run: model, sample sizes in tokens (multiples of seq_len), layers (empty: first,
-    middle and last), and whether to recompute sizes already up to date."""
+    middle and last), the named settings applied over the resource's ("study" by default, so the
+    largest size is the study preset; "" for the resource's own), and whether to recompute sizes
+    already up to date."""
 
     model: str = "smollm2-135m"
     tokens: list[int] = list(DEFAULT_TOKENS)
     layers: list[int] = []
+    preset: str = "study"
     force: bool = False
 
 
 @dg.op(description="Analyse nested samples of one model under <data root>/convergence/n_seq=<n>/ (each size's "
                    "stage runs show as runs of their own) and list each finding against the sample size.")
 def converge_sizes(context: dg.OpExecutionContext, config: ConvergeConfig, lens: UpdateLensResource) -> None:
-    plan = plan_convergence(config.model, lens, config.tokens, config.layers or None)
+    plan = plan_convergence(config.model, lens, config.tokens, config.layers or None, config.preset)
     failure = run_convergence(plan, context.instance, config.force, log=context.log.info)
     if failure is not None:
         raise dg.Failure(f"a convergence run failed: {failure}")

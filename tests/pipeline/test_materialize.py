@@ -292,7 +292,7 @@ def test_converge_job_analyses_each_sample_size_and_fills_the_convergence_view(z
     lens = UpdateLensResource(data_root=str(tmp_path), registry=str(zoo),
                               analysis=AnalysisSettings(**{**SETTINGS, "classes": ["diagonal"], "bootstrap": 20}))
     config = {"ops": {"converge_sizes": {"config": {"model": "tiny-llama", "tokens": [4 * SEQ_LEN, 8 * SEQ_LEN],
-                                                    "layers": [0, 1]}}}}
+                                                    "layers": [0, 1], "preset": ""}}}}  # the lens's settings
     instance = dg.DagsterInstance.ephemeral()
     result = converge_job.execute_in_process(run_config=config, resources={"lens": lens}, instance=instance)
     assert result.success
@@ -305,7 +305,7 @@ def test_converge_job_analyses_each_sample_size_and_fills_the_convergence_view(z
     runs_before = len(instance.get_run_records())
     again = converge_job.execute_in_process(run_config=config, resources={"lens": lens}, instance=instance)
     assert again.success and len(instance.get_run_records()) == runs_before + 1  # no stage run: up to date
-    bad = {"ops": {"converge_sizes": {"config": {"model": "tiny-llama", "tokens": [SEQ_LEN + 1]}}}}
+    bad = {"ops": {"converge_sizes": {"config": {"model": "tiny-llama", "tokens": [SEQ_LEN + 1], "preset": ""}}}}
     failed = converge_job.execute_in_process(run_config=bad, resources={"lens": lens}, instance=instance,
                                              raise_on_error=False)
     assert not failed.success and "multiple of seq_len" in failure_message(failed)

@@ -262,24 +262,29 @@ def test_rerun_with_the_same_config_gives_identical_tables(zoo: Path, tmp_path: 
         assert tables[0][t].equals(tables[1][t]), t
 
 
-def test_the_disk_check_counts_the_layers_the_run_analyses(zoo: Path, env: Path,
+@pytest.fixture
+def deep_lens(zoo: Path, env: Path) -> UpdateLensResource:
+    """A 12-layer config beside the tiny Llama's tokenizer and weights: the preflight reads no weights,
+    so it stands for a deeper model in the checks that come before any work."""
+    deep = env / "deep-llama"
+    shutil.copytree(local_model(zoo, "tiny-llama"), deep)
+    config = json.loads((deep / "config.json").read_text())
+    (deep / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 12, "max_position_embeddings": 256}))
+    registry = registry_with(zoo, env / "registry.toml", f'[models.deep-llama]\nsource = "local"\npath = "{deep}"\n')
+    return UpdateLensResource(registry=str(registry), data_root=str(env / "data"), model="deep-llama",
+                              analysis=AnalysisSettings(n_seq=8, seq_len=16, k=4, rank=2))
+
+
+def test_the_disk_check_counts_the_layers_the_run_analyses(deep_lens: UpdateLensResource,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The study preset analyses three layers: its disk estimate counts three, not the model's depth
-    (a 30-layer model's study was refused for 10 x the room it needs); `converge` counts every size.
-    The preflight reads no weights, so a deeper config beside the tiny model's tokenizer suffices."""
+    (a 30-layer model's study was refused for 10 x the room it needs); `converge` counts every size."""
     from updatelens.config import preset_layers
     from updatelens.orchestration.convergence import plan_convergence
     from updatelens.orchestration.runner import check_inputs
     from updatelens.preflight import estimate_bytes
 
-    deep = env / "deep-llama"
-    shutil.copytree(local_model(zoo, "tiny-llama"), deep)
-    config = json.loads((deep / "config.json").read_text())
-    (deep / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 12}))
-    registry = registry_with(zoo, env / "registry.toml", f'[models.deep-llama]\nsource = "local"\npath = "{deep}"\n')
-    lens = UpdateLensResource(registry=str(registry), data_root=str(env / "data"), model="deep-llama",
-                              analysis=AnalysisSettings(n_seq=8, seq_len=16, k=4, rank=2))
-    cfg = lens.config()
+    lens, cfg = deep_lens, deep_lens.config()
     everything = check_inputs("deep-llama", lens)
     study = check_inputs("deep-llama", lens, preset="study")
     assert everything.n_layers == 12 and preset_layers("study", 12) == [0, 6, 11]
@@ -297,3 +302,27 @@ def test_the_disk_check_counts_the_layers_the_run_analyses(zoo: Path, env: Path,
         plan_convergence("deep-llama", lens, sizes)
     Usage.free = 2 * larger
     assert plan_convergence("deep-llama", lens, sizes).layers == [0, 6, 11]
+
+
+def test_converge_uses_the_study_presets_settings_so_its_largest_size_is_the_study(
+        deep_lens: UpdateLensResource, capsys: pytest.CaptureFixture) -> None:
+    from updatelens.config import PRESETS
+    from updatelens.errors import ConfigError
+    from updatelens.orchestration.convergence import ConvergeConfig, plan_convergence
+
+    study = PRESETS["study"]
+    assert ConvergeConfig().preset == "study"
+    plan = plan_convergence("deep-llama", deep_lens, [256, 512], preset="study")
+    for (tokens, sub), n_seq in zip(plan.sizes, (2, 4)):
+        cfg = sub.config()
+        assert (cfg.n_seq, cfg.seq_len, list(cfg.classes), list(cfg.controls), cfg.bootstrap, cfg.bootstrap_spectra) == (
+            n_seq, study["seq_len"], study["classes"], study["controls"], study["bootstrap"], study["bootstrap_spectra"])
+        assert cfg.k == 4 and cfg.rank == 2  # the lens's own settings where the preset says nothing
+    own = plan_convergence("deep-llama", deep_lens, [32])  # no preset: the lens's settings
+    assert own.sizes[0][1].config().seq_len == 16 and own.sizes[0][1].config().n_seq == 2
+    with pytest.raises(ConfigError, match="unknown preset 'big'"):
+        plan_convergence("deep-llama", deep_lens, [256], preset="big")
+    # the CLI's default is the study too: a size that is no multiple of its 128-token windows is refused
+    code = main(["converge", "--registry", deep_lens.registry, "--data-root", deep_lens.data_root,
+                 "--model", "deep-llama", "--tokens", "64"])
+    assert code == 2 and "multiple of seq_len=128" in capsys.readouterr().err
