@@ -29,6 +29,61 @@ def _pipeline_run(layers: str, root: Path, home: Path, device: str = "cpu",
     return float(figures["pipeline_s"]), float(figures["peak_rss_gib"])
 
 
+def _step_times(home: Path) -> list[dict[str, object]]:
+    """Every step of every run recorded in the Dagster home `home`, oldest run first: the run's
+    partitions, the step (asset) and its seconds."""
+    import dagster as dg
+
+    rows: list[dict[str, object]] = []
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        for run in reversed(instance.get_runs()):
+            tags = run.tags
+            first = tags.get("dagster/asset_partition_range_start") or tags.get("dagster/partition", "")
+            last = tags.get("dagster/asset_partition_range_end") or first
+            for stat in instance.get_run_step_stats(run.run_id):
+                if stat.start_time is not None and stat.end_time is not None:
+                    rows.append({"partitions": first if first == last else f"{first}..{last}", "step": stat.step_key,
+                                 "seconds": round(stat.end_time - stat.start_time, 1)})
+    return rows
+
+
+def study_record(home: Path, summary: dict[str, object], n_tokens: int, device: str, out: Path) -> str:
+    """The study's records (bench_study.json) and step times (study.json) under `out`, from a finished
+    `updatelens run --preset study`: its Dagster home and its --summary-json figures. The table."""
+    from updatelens import bench
+
+    steps = _step_times(home)
+    layers = [int(x) for x in summary["layers"]]  # type: ignore[union-attr]
+    records = bench.study_records(float(summary["pipeline_s"]), float(summary["peak_rss_gib"]),  # type: ignore[arg-type]
+                                  [bench.StepTime(str(s["partitions"]), str(s["step"]), float(s["seconds"]))  # type: ignore[arg-type]
+                                   for s in steps], n_tokens, layers, device)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.json").write_text(json.dumps({**summary, "n_tokens": n_tokens, "device": device,
+                                                "steps": steps}, indent=1))
+    bench.write_json(records, out / "bench_study.json")
+    return bench.table(records)
+
+
+def _bench_study(args: argparse.Namespace, root: Path) -> int:
+    """The study preset as a researcher runs it, in a fresh process with a Dagster home of its own
+    (its results under `<root>/study/`): study.json (the figures and every step's time) and the
+    records in bench_study.json."""
+    import tempfile
+
+    from updatelens.config import PRESETS
+
+    tokens = int(PRESETS["study"]["n_seq"]) * int(PRESETS["study"]["seq_len"])  # type: ignore[call-overload]
+    with tempfile.TemporaryDirectory() as home:
+        summary = Path(home) / "run-summary.json"
+        subprocess.run([sys.executable, "-m", "updatelens.orchestration.cli", "run", "--preset", "study", "--force",
+                        "--data-root", str(root / "study"), "--set", f"device={args.device}",
+                        "--summary-json", str(summary)],
+                       env=dict(os.environ, DAGSTER_HOME=home, HF_HUB_OFFLINE="1"), check=True)
+        print(study_record(Path(home), json.loads(summary.read_text()), tokens, args.device, root / "bench"))
+    print(f"\nwritten {root / 'bench' / 'study.json'} and bench_study.json")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Every hot stage against a reference measured in the same run; table + bench.json."""
     import tempfile
@@ -55,6 +110,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_scale(args, root)
     if args.only == "knn":
         return _bench_knn(args, root)
+    if args.only == "study":
+        return _bench_study(args, root)
     cfg = AnalysisConfig(device=args.device)
     try:
         cfg.validate()

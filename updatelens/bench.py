@@ -565,3 +565,35 @@ def scale_records(points: list[ScalePoint], device: str = "cpu") -> list[Record]
                               slope <= 1.15, "least-squares slope of log wall time on log N over "
                               + ", ".join(f"{p.n_tokens}: {p.wall_s:.0f} s" for p in points), device))
     return records
+
+
+# ---- study: the study preset as a researcher runs it ---------------------------------------------
+STUDY_TARGET_S = 45 * 60  # the issue's target for the preset on the 2-core development machine
+STUDY_TARGET_GIB = 4.0
+
+
+@dataclass
+class StepTime:
+    """One step of one Dagster run of the study: which partitions, which asset, how long."""
+
+    partitions: str
+    step: str
+    seconds: float
+
+
+def study_records(pipeline_s: float, peak_rss_gib: float, steps: list[StepTime], n_tokens: int,
+                  layers: list[int], device: str = "cpu") -> list[Record]:
+    """The preset's wall time and peak memory against its targets, and how much of the time the
+    output-perturbation stage alone takes (if that alone exceeds the time target, no work on the
+    other stages can meet it on this device)."""
+    functional = sum(s.seconds for s in steps if s.step == "functional_metrics")
+    where = f"`updatelens run --preset study`: {n_tokens} tokens, layers {','.join(map(str, layers))}"
+    return [
+        Record("study_wall_s", pipeline_s, "s", None, None, f"<= {STUDY_TARGET_S} s",
+               pipeline_s <= STUDY_TARGET_S, where, device),
+        Record("study_peak_rss_gib", peak_rss_gib, "GiB", None, None, f"<= {STUDY_TARGET_GIB:g} GiB",
+               peak_rss_gib <= STUDY_TARGET_GIB, where, device),
+        Record("study_functional_s", functional, "s", pipeline_s, functional / pipeline_s if pipeline_s else None,
+               "", None, "the output-perturbation stage (patched and unpatched passes) of all layers; "
+               "reference: the whole pipeline", device),
+    ]

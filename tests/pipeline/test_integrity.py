@@ -103,3 +103,28 @@ def test_every_partition_has_a_manifest_and_a_flipped_bit_is_caught(
     (Path(partition_file(lens.root, "geometry", MODEL, 1)).parent / MANIFEST).unlink()
     assert "not listed in a manifest" in partition_error(partition_file(lens.root, "geometry", MODEL, 1))
     assert catalog.query(lens.root, "SELECT count(DISTINCT layer) AS n FROM geometry")["n"][0] == 1
+
+
+def test_the_study_record_reads_every_runs_step_times_from_its_dagster_home(zoo: Path, tmp_path: Path) -> None:
+    """`updatelens bench --only study` records each Dagster run's step times from the run's own home."""
+    import json
+
+    from updatelens.orchestration.bench_driver import study_record
+
+    home = tmp_path / "home"
+    home.mkdir()
+    lens = UpdateLensResource(data_root=str(tmp_path / "data"), registry=str(zoo), analysis=AnalysisSettings(**SETTINGS))
+    with dg.DagsterInstance.local_temp(str(home)) as instance:
+        assert materialize_model(MODEL, lens, instance, layers=[0], log_level="WARNING").success
+        assert materialize_model(MODEL, lens, instance, layers=[2], log_level="WARNING").success
+    summary = {"pipeline_s": 30.0, "peak_rss_gib": 1.5, "layers": [0, 2], "model": MODEL, "config_id": "x"}
+    table = study_record(home, summary, 96, "cpu", tmp_path / "bench")
+    assert "study_wall_s" in table and "study_functional_s" in table
+    steps = json.loads((tmp_path / "bench" / "study.json").read_text())["steps"]
+    stages = ["activations", "local_fits", "residuals", "geometry", "functional_metrics"]
+    for key in (f"{MODEL}:00", f"{MODEL}:02"):
+        assert sorted(s["step"] for s in steps if s["partitions"] == key) == sorted(stages)
+    assert all(s["seconds"] > 0 for s in steps)
+    records = {r["name"]: r for r in json.loads((tmp_path / "bench" / "bench_study.json").read_text())}
+    functional = sum(s["seconds"] for s in steps if s["step"] == "functional_metrics")
+    assert records["study_functional_s"]["value"] == pytest.approx(functional)

@@ -136,6 +136,17 @@ def test_scale_records_bound_memory_and_fit_the_time_exponent(tmp_path: Path) ->
                                                                    "peak_rss_gib": 2.4}
 
 
+def test_study_records_judge_time_and_memory_and_show_the_perturbation_share() -> None:
+    steps = [bench.StepTime("m:00", "activations", 100.0), bench.StepTime("m:00", "functional_metrics", 2000.0),
+             bench.StepTime("m:15", "functional_metrics", 900.0)]
+    records = {r.name: r for r in bench.study_records(3500.0, 3.7, steps, 131072, [0, 15])}
+    assert not records["study_wall_s"].met and records["study_peak_rss_gib"].met
+    assert records["study_functional_s"].value == 2900.0
+    assert records["study_functional_s"].ratio == pytest.approx(2900 / 3500)
+    fast = {r.name: r for r in bench.study_records(2000.0, 4.5, steps[:1], 131072, [0])}
+    assert fast["study_wall_s"].met and not fast["study_peak_rss_gib"].met
+
+
 def test_a_met_target_near_its_bound_is_marginal() -> None:
     near = bench.Record("x", 0.59, "", 1.0, 0.59, "<= 0.6 x L full forwards", True)
     clear = bench.Record("x", 0.40, "", 1.0, 0.40, "<= 0.6 x L full forwards", True)
