@@ -48,13 +48,10 @@ def _parse_layers(text: str | None) -> list[int] | None:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, object]:
-    from updatelens.config import PRESETS
-    from updatelens.errors import ConfigError
+    from updatelens.config import preset_settings
 
     preset = getattr(args, "preset", None)
-    if preset and preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    settings: dict[str, object] = dict(PRESETS[preset]) if preset else {}
+    settings: dict[str, object] = preset_settings(preset) if preset else {}
     for item in args.set or []:
         key, _, value = item.partition("=")
         try:

@@ -21,7 +21,7 @@ from updatelens.orchestration.runner import (
 )
 from updatelens.storage.layout import convergence_root
 from updatelens.storage.location import url
-from updatelens.config import PRESETS, preset_layers
+from updatelens.config import preset_layers, preset_settings
 from updatelens.errors import ConfigError
 from updatelens.preflight import Preflight, check_data_root, estimate_bytes
 
@@ -41,9 +41,7 @@ def plan_convergence(model: str, lens: UpdateLensResource, tokens: Sequence[int]
     """Every size's lens, checked before any weight is loaded (ConfigError names the problem).
     Layers default to the first, middle and last. `preset`: named settings over the lens's (the
     study's by default in the CLI and the job, so the largest size is the study preset's run)."""
-    if preset and preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    named = {key: value for key, value in PRESETS[preset].items() if key != "n_seq"} if preset else {}
+    named = {key: value for key, value in preset_settings(preset).items() if key != "n_seq"} if preset else {}
     lens = UpdateLensResource(**{**lens.model_dump(), "analysis": AnalysisSettings(**{**lens.analysis.model_dump(),
                                                                                       **named})})
     base = lens.config()

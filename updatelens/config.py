@@ -220,8 +220,14 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 
 
+def preset_settings(name: str) -> dict[str, object]:
+    """A preset's settings (a copy); ConfigError names an unknown preset."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return dict(PRESETS[name])
+
+
 def preset_layers(name: str, n_layers: int) -> list[int]:
     """The layers a preset analyses when none are given: the study takes the first, middle and last."""
-    if name == "study":
-        return sorted({0, n_layers // 2, n_layers - 1})
-    raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    preset_settings(name)  # an unknown name is refused
+    return sorted({0, n_layers // 2, n_layers - 1})
