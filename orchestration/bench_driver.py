@@ -11,8 +11,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from updatelens.orchestration.output import print_frame
+
+if TYPE_CHECKING:
+    from updatelens.bench import Record
 
 
 def _pipeline_run(layers: str, root: Path, home: Path, device: str = "cpu",
@@ -47,16 +51,43 @@ def _step_times(home: Path) -> list[dict[str, object]]:
     return rows
 
 
+def forward_floor(model: str, layers: list[int] | None, device: str) -> list[Record]:
+    """The study preset's forward-pass floor on `device` for `model` (its layers, or the preset's):
+    the dense FLOPs of its passes counted from the loaded weights, at the matmul rate measured now."""
+    import torch
+
+    from updatelens import bench
+    from updatelens.analysis import patched_pass_count
+    from updatelens.config import AnalysisConfig, preset_layers, preset_settings
+    from updatelens.models import load_model
+    from updatelens.perturbation import output_layer
+    from updatelens.registry import get_model
+
+    cfg = AnalysisConfig(**preset_settings("study"))  # type: ignore[arg-type]
+    lm = load_model(get_model(model), device=device)
+    head = output_layer(lm)
+    if head is None:
+        raise ValueError(f"{model} has no output layer to count")
+    work = bench.forward_work([bench.dense_flops(block) for block in lm.blocks], bench.dense_flops(head),
+                              layers or preset_layers("study", lm.n_layers), patched_pass_count(cfg),
+                              cfg.n_seq * cfg.seq_len)
+    del lm
+    return bench.floor_records(work, bench.matmul_flops(4096, torch.float32, device=device), device)
+
+
 def study_record(home: Path, summary: dict[str, object], n_tokens: int, device: str, out: Path) -> str:
     """The study's records (bench_study.json) and step times (study.json) under `out`, from a finished
-    `updatelens run --preset study`: its Dagster home and its --summary-json figures. The table."""
+    `updatelens run --preset study`: its Dagster home and its --summary-json figures, with the
+    forward-pass floor measured now (see `forward_floor`). The table."""
     from updatelens import bench
 
     steps = _step_times(home)
     layers = [int(x) for x in summary["layers"]]  # type: ignore[union-attr]
-    records = bench.study_records(float(summary["pipeline_s"]), float(summary["peak_rss_gib"]),  # type: ignore[arg-type]
-                                  [bench.StepTime(str(s["partitions"]), str(s["step"]), float(s["seconds"]))  # type: ignore[arg-type]
-                                   for s in steps], n_tokens, layers, device)
+    floor = forward_floor(str(summary["model"]), layers, device)
+    records = floor + bench.study_records(
+        float(summary["pipeline_s"]), float(summary["peak_rss_gib"]),  # type: ignore[arg-type]
+        [bench.StepTime(str(s["partitions"]), str(s["step"]), float(s["seconds"]))  # type: ignore[arg-type]
+         for s in steps], n_tokens, layers, device, forward_floor_s=floor[-1].value)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.json").write_text(json.dumps({**summary, "n_tokens": n_tokens, "device": device,
                                                 "steps": steps}, indent=1))
@@ -81,6 +112,18 @@ def _bench_study(args: argparse.Namespace, root: Path) -> int:
                        env=dict(os.environ, DAGSTER_HOME=home, HF_HUB_OFFLINE="1"), check=True)
         print(study_record(Path(home), json.loads(summary.read_text()), tokens, args.device, root / "bench"))
     print(f"\nwritten {root / 'bench' / 'study.json'} and bench_study.json")
+    return 0
+
+
+def _bench_floor(args: argparse.Namespace, root: Path) -> int:
+    """The study preset's forward-pass floor on this device, without running the study (a minute):
+    bench_floor.json."""
+    from updatelens import bench
+
+    records = forward_floor("smollm2-135m", None, args.device)
+    print(bench.table(records))
+    bench.write_json(records, root / "bench" / "bench_floor.json")
+    print(f"\nwritten {root / 'bench' / 'bench_floor.json'}")
     return 0
 
 
@@ -112,6 +155,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_knn(args, root)
     if args.only == "study":
         return _bench_study(args, root)
+    if args.only == "floor":
+        return _bench_floor(args, root)
     cfg = AnalysisConfig(device=args.device)
     try:
         cfg.validate()

@@ -134,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("--scaling-n", default="2048,8192,16384",
                            help="token counts of the scaling sweep (32768 adds about a minute)")
     bench_cmd.add_argument("--scaling-d-at", type=int, default=2048, help="N at which d is varied (288, 576, 1152)")
-    bench_cmd.add_argument("--only", choices=["scale", "knn", "study"],
+    bench_cmd.add_argument("--only", choices=["scale", "knn", "study", "floor"],
                            help="scale: the pipeline's peak memory and time against the sample size; knn: "
                                 "approximate k-NN against exact search and faiss's indexes at research scale; "
-                                "study: the study preset (hours on a CPU), its time, memory and step times")
+                                "study: the study preset (hours on a CPU), its time, memory and step times; floor: the "
+                                "least time the study's forward passes take on this device (a minute)")
     bench_cmd.add_argument("--scale-tokens", dest="scale_tokens", default="2048,8192,32768,131072",
                            help="sample sizes of the scale bench (one layer, the study preset's settings)")
     bench_cmd.add_argument("--scale-layer", dest="scale_layer", type=int, default=15,

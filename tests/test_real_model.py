@@ -84,3 +84,17 @@ def test_the_solvers_recover_a_planted_map_on_real_states(smollm2) -> None:
         err = token_metrics(x, y, fit.tx)["rel_err"]
         median, q90 = np.median(err), np.quantile(err, 0.9)
         assert median < bounds[fn_class][0] and q90 < bounds[fn_class][1], (fn_class, median, q90)
+
+
+def test_smollm2_forward_work_counts_its_weight_matrices(smollm2) -> None:
+    """SmolLM2-135M: per block q, o 576x576, k, v 576x192, gate, up, down 576x1536; head 49152x576."""
+    from updatelens import bench
+    from updatelens.perturbation import output_layer
+
+    per_block = 2 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
+    blocks = [bench.dense_flops(block) for block in smollm2.blocks]
+    assert blocks == [per_block] * 30
+    head = bench.dense_flops(output_layer(smollm2))
+    assert head == 2 * 49152 * 576
+    work = bench.forward_work(blocks, head, [0, 15, 29], 4, 131072)
+    assert work.patched == 131072 * 4 * ((29 + 14 + 0) * per_block + 3 * head)

@@ -394,8 +394,21 @@ def random_directions(data: LayerData, seed: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def control_plan(cfg: AnalysisConfig) -> list[str]:
+    """The controls that get a patched pass of their own, in the order they are measured (the crude
+    control needs a crude class other than the primary one)."""
+    return [name for name in ("random", "crude", "identity") if name in cfg.controls
+            and not (name == "crude" and cfg.crude_class == cfg.primary_class)]
+
+
+def patched_pass_count(cfg: AnalysisConfig) -> int:
+    """How many patched versions of a layer's output the functional stage runs: one per class and
+    one per control (each a forward pass from the layer on over every sequence)."""
+    return len(cfg.classes) + len(control_plan(cfg))
+
+
 def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConfig) -> list[Variant]:
-    """The main patch per class (y -> T(x) at kept positions) and the configured controls."""
+    """The main patch per class (y -> T(x) at kept positions) and the controls of `control_plan`."""
 
     def scatter(values: np.ndarray) -> np.ndarray:
         state = data.y_full.astype(np.float64).copy()
@@ -404,16 +417,16 @@ def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConf
 
     variants = [Variant("patch", c, scatter(fit.tx)) for c, fit in fits.items()]
     primary = fits[cfg.primary_class]
-    if "random" in cfg.controls:
-        y = data.y.astype(np.float64)
-        norm_res = np.linalg.norm(data.y - primary.tx, axis=1)
-        variants.append(Variant("random", cfg.primary_class,
-                                scatter(y + norm_res[:, None] * random_directions(data, cfg.seed))))
-    if "crude" in cfg.controls and cfg.crude_class != cfg.primary_class:
-        crude = fits[cfg.crude_class]
-        variants.append(Variant("crude", cfg.primary_class, scatter(data.y + (crude.tx - primary.tx))))
-    if "identity" in cfg.controls:
-        variants.append(Variant("identity", cfg.primary_class, data.y_full.astype(np.float64)))
+    for name in control_plan(cfg):
+        if name == "random":
+            y = data.y.astype(np.float64)
+            norm_res = np.linalg.norm(data.y - primary.tx, axis=1)
+            state = scatter(y + norm_res[:, None] * random_directions(data, cfg.seed))
+        elif name == "crude":
+            state = scatter(data.y + (fits[cfg.crude_class].tx - primary.tx))
+        else:  # identity
+            state = data.y_full.astype(np.float64)
+        variants.append(Variant(name, cfg.primary_class, state))
     return variants
 
 

@@ -147,6 +147,36 @@ def test_study_records_judge_time_and_memory_and_show_the_perturbation_share() -
     assert fast["study_wall_s"].met and not fast["study_peak_rss_gib"].met
 
 
+def test_forward_work_counts_one_capture_one_unpatched_pass_and_each_layers_patched_passes() -> None:
+    # blocks of 1, 2, 3, 4 FLOPs per token, a head of 10; layers 0 and 2, 4 patched passes, 2 tokens
+    work = bench.forward_work([1.0, 2.0, 3.0, 4.0], 10.0, [0, 2], 4, 2)
+    assert work.capture == 2 * (1 + 2 + 3)  # up to the deepest layer's output
+    assert work.unpatched == 2 * (2 + 3 + 4 + 10)  # resumed after the first layer
+    assert work.patched == 2 * 4 * ((2 + 3 + 4 + 10) + (4 + 10))
+    assert work.total == work.capture + work.unpatched + work.patched
+
+
+def test_dense_flops_count_weight_matrices_not_biases_or_norms() -> None:
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2, bias=False))
+    assert bench.dense_flops(module) == 2 * (3 * 4 + 4 * 2)
+
+
+def test_floor_records_and_the_study_judged_against_its_floor() -> None:
+    work = bench.ForwardWork(1000, 1e12, 1e12, 8e12)
+    gemm, floor = bench.floor_records(work, 1e10)
+    assert gemm.value == pytest.approx(10.0) and floor.value == pytest.approx(1000.0)
+    assert floor.ratio == pytest.approx(1000.0 / bench.STUDY_TARGET_S) and floor.met is None
+    steps = [bench.StepTime("m:00", "activations", 300.0), bench.StepTime("m:00", "local_fits", 500.0),
+             bench.StepTime("m:00", "geometry", 250.0), bench.StepTime("m:00", "functional_metrics", 3000.0)]
+    records = {r.name: r for r in bench.study_records(4100.0, 3.7, steps, 1000, [0], forward_floor_s=floor.value)}
+    bound = records["study_forward_at_gemm_rate_s"]
+    assert bound.value == pytest.approx(1000.0 + 500.0 + 250.0) and bound.met  # 1750 s <= 2700 s
+    slow = [*steps, bench.StepTime("m:00", "residuals", 1000.0)]
+    assert not {r.name: r for r in bench.study_records(5100.0, 3.7, slow, 1000, [0], forward_floor_s=2000.0)}[
+        "study_forward_at_gemm_rate_s"].met  # 2000 + 1750 s > 2700 s
+    assert "study_forward_at_gemm_rate_s" not in {r.name for r in bench.study_records(4100.0, 3.7, steps, 1000, [0])}
+
+
 def test_a_met_target_near_its_bound_is_marginal() -> None:
     near = bench.Record("x", 0.59, "", 1.0, 0.59, "<= 0.6 x L full forwards", True)
     clear = bench.Record("x", 0.40, "", 1.0, 0.40, "<= 0.6 x L full forwards", True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from updatelens.analysis import LayerData, build_variants, functional_tables, provenance
+from updatelens.analysis import LayerData, build_variants, functional_tables, patched_pass_count, provenance
 from updatelens.capture import block_output_is_tuple, capture, first_tensor, kept_mask
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample
@@ -164,6 +164,10 @@ def test_functional_tables_cover_kept_tokens_and_controls(tiny_models: dict) -> 
     fm, fs = functional_tables(lm, data, fits, orig, cfg, prov)
     variants = fs["variant"].to_pylist()
     assert variants == ["patch", "patch", "random", "crude", "identity"]
+    assert patched_pass_count(cfg) == len(build_variants(data, fits, cfg)) == 5
+    # the crude control of a crude class that is the primary one would repeat the patch: not run
+    same = AnalysisConfig(n_seq=4, seq_len=10, k=5, classes=("diagonal",), controls=("random", "crude"))
+    assert patched_pass_count(same) == len(build_variants(data, {"diagonal": fits["diagonal"]}, same)) == 2
     # KL is measured on kept tokens only: every sequence, positions 1..9
     assert len(fm) == 5 * 4 * 9 and min(fm["pos"].to_pylist()) == 1
     by = {(r["variant"], r["fn_class"]): r for r in fs.to_pylist()}
