@@ -10,6 +10,8 @@ import bz2
 import importlib.util
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +86,12 @@ def clean_wikitext(text: str) -> str:
 
 
 def read_embedded_wiki() -> list[str]:
+    """Every article of the embedded dump, cleaned (the sample reads only as many as it needs)."""
+    return list(iter_embedded_wiki())
+
+
+def iter_embedded_wiki() -> Iterator[str]:
+    """The embedded dump's articles in order, each parsed and cleaned when it is asked for."""
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
         raise RegistryError("the embedded corpus ships in the gensim wheel, which is not installed; "
@@ -91,7 +99,6 @@ def read_embedded_wiki() -> list[str]:
     path = Path(list(spec.submodule_search_locations)[0]) / WIKI_FILE
     if not path.exists():
         raise RegistryError(f"embedded corpus file {path} is missing from the gensim wheel")
-    docs: list[str] = []
     with bz2.open(path, "rb") as f:
         for _, elem in ET.iterparse(f):
             if not elem.tag.endswith("}page"):
@@ -102,9 +109,8 @@ def read_embedded_wiki() -> list[str]:
                 if not text.text.lstrip().upper().startswith("#REDIRECT"):
                     cleaned = clean_wikitext(text.text)
                     if len(cleaned) >= MIN_DOC_CHARS:
-                        docs.append(cleaned)
+                        yield cleaned
             elem.clear()
-    return docs
 
 
 def read_text_file(path: Path) -> list[str]:
@@ -133,33 +139,38 @@ def read_hub_dataset(entry: CorpusEntry) -> list[str]:
     return [str(t) for t in ds[entry.field] if str(t).strip()]
 
 
-def read_documents(entry: CorpusEntry) -> list[str]:
+def read_documents(entry: CorpusEntry) -> Iterator[str]:
+    """The corpus's documents in order, read as they are asked for (the embedded dump is parsed and
+    cleaned only as far as the sample needs)."""
     if entry.source == "embedded":
-        return read_embedded_wiki()
-    if entry.source == "text":
-        return read_text_file(Path(entry.path).expanduser())
-    return read_hub_dataset(entry)
+        yield from iter_embedded_wiki()
+    elif entry.source == "text":
+        yield from read_text_file(Path(entry.path).expanduser())
+    else:
+        yield from read_hub_dataset(entry)
 
 
 def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int, offset: int = 0) -> Sample:
     """Tokenise documents in order and cut non-overlapping windows of seq_len tokens."""
-    docs = read_documents(entry)
-    if not docs:
-        raise CorpusError(f"corpus {entry.slug!r} has no usable text")
     need = offset + n_seq
     windows: list[list[int]] = []
     doc_of: list[int] = []
     total_tokens = 0
-    for d_idx, doc in enumerate(docs):
-        ids = tokenizer(doc, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
-        total_tokens += len(ids)
-        for start in range(0, len(ids) - seq_len + 1, seq_len):
-            windows.append(ids[start : start + seq_len])
-            doc_of.append(d_idx)
+    n_docs = 0
+    with closing(read_documents(entry)) as docs:
+        for d_idx, doc in enumerate(docs):
+            n_docs += 1
+            ids = tokenizer(doc, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+            total_tokens += len(ids)
+            for start in range(0, len(ids) - seq_len + 1, seq_len):
+                windows.append(ids[start : start + seq_len])
+                doc_of.append(d_idx)
+                if len(windows) >= need:
+                    break
             if len(windows) >= need:
                 break
-        if len(windows) >= need:
-            break
+    if not n_docs:
+        raise CorpusError(f"corpus {entry.slug!r} has no usable text")
     if len(windows) < need:
         raise CorpusError(f"corpus {entry.slug!r} is too short: it yields {len(windows)} windows of "
                           f"{seq_len} tokens ({total_tokens} tokens read), the sample needs "
