@@ -51,7 +51,7 @@ def _step_times(home: Path) -> list[dict[str, object]]:
     return rows
 
 
-def forward_floor(model: str, layers: list[int] | None, device: str) -> list[Record]:
+def forward_floor(model: str, layers: list[int] | None, device: str, registry: Path | None = None) -> list[Record]:
     """The study preset's forward-pass floor on `device` for `model` (its layers, or the preset's):
     the dense FLOPs of its passes counted from the loaded weights, at the matmul rate measured now."""
     import torch
@@ -64,7 +64,7 @@ def forward_floor(model: str, layers: list[int] | None, device: str) -> list[Rec
     from updatelens.registry import get_model
 
     cfg = AnalysisConfig(**preset_settings("study"))  # type: ignore[arg-type]
-    lm = load_model(get_model(model), device=device)
+    lm = load_model(get_model(model, registry), device=device)
     head = output_layer(lm)
     if head is None:
         raise ValueError(f"{model} has no output layer to count")
@@ -75,15 +75,17 @@ def forward_floor(model: str, layers: list[int] | None, device: str) -> list[Rec
     return bench.floor_records(work, bench.matmul_flops(4096, torch.float32, device=device), device)
 
 
-def study_record(home: Path, summary: dict[str, object], n_tokens: int, device: str, out: Path) -> str:
+def study_record(home: Path, summary: dict[str, object], n_tokens: int, device: str, out: Path,
+                 registry: Path | None = None) -> str:
     """The study's records (bench_study.json) and step times (study.json) under `out`, from a finished
     `updatelens run --preset study`: its Dagster home and its --summary-json figures, with the
-    forward-pass floor measured now (see `forward_floor`). The table."""
+    forward-pass floor measured now (see `forward_floor`; the model from `registry`, default the
+    project's). The table."""
     from updatelens import bench
 
     steps = _step_times(home)
     layers = [int(x) for x in summary["layers"]]  # type: ignore[union-attr]
-    floor = forward_floor(str(summary["model"]), layers, device)
+    floor = forward_floor(str(summary["model"]), layers, device, registry)
     records = floor + bench.study_records(
         float(summary["pipeline_s"]), float(summary["peak_rss_gib"]),  # type: ignore[arg-type]
         [bench.StepTime(str(s["partitions"]), str(s["step"]), float(s["seconds"]))  # type: ignore[arg-type]

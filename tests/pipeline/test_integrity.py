@@ -118,7 +118,7 @@ def test_the_study_record_reads_every_runs_step_times_from_its_dagster_home(zoo:
         assert materialize_model(MODEL, lens, instance, layers=[0], log_level="WARNING").success
         assert materialize_model(MODEL, lens, instance, layers=[2], log_level="WARNING").success
     summary = {"pipeline_s": 30.0, "peak_rss_gib": 1.5, "layers": [0, 2], "model": MODEL, "config_id": "x"}
-    table = study_record(home, summary, 96, "cpu", tmp_path / "bench")
+    table = study_record(home, summary, 96, "cpu", tmp_path / "bench", registry=zoo)
     assert "study_wall_s" in table and "study_functional_s" in table
     steps = json.loads((tmp_path / "bench" / "study.json").read_text())["steps"]
     stages = ["activations", "local_fits", "residuals", "geometry", "functional_metrics"]
@@ -128,3 +128,7 @@ def test_the_study_record_reads_every_runs_step_times_from_its_dagster_home(zoo:
     records = {r["name"]: r for r in json.loads((tmp_path / "bench" / "bench_study.json").read_text())}
     functional = sum(s["seconds"] for s in steps if s["step"] == "functional_metrics")
     assert records["study_functional_s"]["value"] == pytest.approx(functional)
+    # the forward passes' floor, measured in the same call, plus the stages without forward passes
+    others = sum(s["seconds"] for s in steps if s["step"] not in ("activations", "functional_metrics"))
+    assert records["study_forward_at_gemm_rate_s"]["value"] == pytest.approx(
+        records["study_forward_floor_s"]["value"] + others)
