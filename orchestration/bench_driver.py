@@ -51,9 +51,11 @@ def _step_times(home: Path) -> list[dict[str, object]]:
     return rows
 
 
-def forward_floor(model: str, layers: list[int] | None, device: str, registry: Path | None = None) -> list[Record]:
-    """The study preset's forward-pass floor on `device` for `model` (its layers, or the preset's):
-    the dense FLOPs of its passes counted from the loaded weights, at the matmul rate measured now."""
+def forward_floors(model: str, layers: list[int] | None, device: str, registry: Path | None = None,
+                   default_job: bool = False) -> list[Record]:
+    """The float32 matmul rate of `device` and the forward-pass floor of the study preset for `model`
+    (its layers, or the preset's) and, with `default_job`, of the engine's default configuration
+    over all layers: the dense FLOPs of their passes, counted from the loaded weights, at that rate."""
     import torch
 
     from updatelens import bench
@@ -63,29 +65,37 @@ def forward_floor(model: str, layers: list[int] | None, device: str, registry: P
     from updatelens.perturbation import output_layer
     from updatelens.registry import get_model
 
-    cfg = AnalysisConfig(**preset_settings("study"))  # type: ignore[arg-type]
     lm = load_model(get_model(model, registry), device=device)
     head = output_layer(lm)
     if head is None:
         raise ValueError(f"{model} has no output layer to count")
-    work = bench.forward_work([bench.dense_flops(block) for block in lm.blocks], bench.dense_flops(head),
-                              layers or preset_layers("study", lm.n_layers), patched_pass_count(cfg),
-                              cfg.n_seq * cfg.seq_len)
+    blocks, head_flops = [bench.dense_flops(block) for block in lm.blocks], bench.dense_flops(head)
+    n_layers = lm.n_layers
     del lm
-    return bench.floor_records(work, bench.matmul_flops(4096, torch.float32, device=device), device)
+
+    def work(cfg: AnalysisConfig, chosen: list[int]) -> bench.ForwardWork:
+        return bench.forward_work(blocks, head_flops, chosen, patched_pass_count(cfg), cfg.n_seq * cfg.seq_len)
+
+    gemm = bench.matmul_flops(4096, torch.float32, device=device)
+    study = work(AnalysisConfig(**preset_settings("study")), layers or preset_layers("study", n_layers))  # type: ignore[arg-type]
+    records = [bench.gemm_record(gemm, device), bench.floor_record("study", study, gemm, bench.STUDY_TARGET_S, device)]
+    if default_job:
+        records.append(bench.floor_record("default_job", work(AnalysisConfig(), list(range(n_layers))), gemm,
+                                          bench.DEFAULT_JOB_TARGET_S, device))
+    return records
 
 
 def study_record(home: Path, summary: dict[str, object], n_tokens: int, device: str, out: Path,
                  registry: Path | None = None) -> str:
     """The study's records (bench_study.json) and step times (study.json) under `out`, from a finished
     `updatelens run --preset study`: its Dagster home and its --summary-json figures, with the
-    forward-pass floor measured now (see `forward_floor`; the model from `registry`, default the
+    forward-pass floor measured now (see `forward_floors`; the model from `registry`, default the
     project's). The table."""
     from updatelens import bench
 
     steps = _step_times(home)
     layers = [int(x) for x in summary["layers"]]  # type: ignore[union-attr]
-    floor = forward_floor(str(summary["model"]), layers, device, registry)
+    floor = forward_floors(str(summary["model"]), layers, device, registry)
     records = floor + bench.study_records(
         float(summary["pipeline_s"]), float(summary["peak_rss_gib"]),  # type: ignore[arg-type]
         [bench.StepTime(str(s["partitions"]), str(s["step"]), float(s["seconds"]))  # type: ignore[arg-type]
@@ -118,11 +128,11 @@ def _bench_study(args: argparse.Namespace, root: Path) -> int:
 
 
 def _bench_floor(args: argparse.Namespace, root: Path) -> int:
-    """The study preset's forward-pass floor on this device, without running the study (a minute):
-    bench_floor.json."""
+    """The forward-pass floors of the study preset and the default job on this device, without
+    running them (a minute): bench_floor.json."""
     from updatelens import bench
 
-    records = forward_floor("smollm2-135m", None, args.device)
+    records = forward_floors("smollm2-135m", None, args.device, default_job=True)
     print(bench.table(records))
     bench.write_json(records, root / "bench" / "bench_floor.json")
     print(f"\nwritten {root / 'bench' / 'bench_floor.json'}")

@@ -571,6 +571,7 @@ def scale_records(points: list[ScalePoint], device: str = "cpu") -> list[Record]
 # ---- study: the study preset as a researcher runs it ---------------------------------------------
 STUDY_TARGET_S = 45 * 60  # the issue's target for the preset on the 2-core development machine
 STUDY_TARGET_GIB = 4.0
+DEFAULT_JOB_TARGET_S = 8 * 60  # the default job's pipeline time target
 
 
 @dataclass
@@ -616,29 +617,30 @@ def forward_work(block_flops: Sequence[float], head_flops: float, layers: Sequen
                        n_tokens * passes * sum(after(layer) for layer in layers))
 
 
-def floor_records(work: ForwardWork, gemm_flops: float, device: str = "cpu") -> list[Record]:
-    """The least time the study's forward passes take on this device: their dense FLOPs at the
-    device's float32 matmul rate measured in the same run (a square 4096 product, the most a dense
-    product reaches here; the passes' products are smaller, so they run slower), against the
-    study's time target."""
+def gemm_record(gemm_flops: float, device: str = "cpu") -> Record:
+    return Record("gemm_f32_gflops", gemm_flops / 1e9, "GFLOP/s", None, None, "", None,
+                  "float32 4096 x 4096 matmul, median of 3 after a warm-up", device)
+
+
+def floor_record(name: str, work: ForwardWork, gemm_flops: float, target_s: float, device: str = "cpu") -> Record:
+    """The least time a run's forward passes take on this device: their dense FLOPs at the device's
+    float32 matmul rate measured in the same run (a square 4096 product, the most a dense product
+    reaches here; the passes' products are smaller, so they run slower), against the run's time
+    target."""
     floor = work.total / gemm_flops
-    tflop = {name: getattr(work, name) / 1e12 for name in ("capture", "unpatched", "patched")}
-    return [
-        Record("gemm_f32_gflops", gemm_flops / 1e9, "GFLOP/s", None, None, "", None,
-               "float32 4096 x 4096 matmul, median of 3 after a warm-up", device),
-        Record("study_forward_floor_s", floor, "s", STUDY_TARGET_S, floor / STUDY_TARGET_S, "", None,
-               f"{work.total / 1e12:.1f} TFLOP of weight products over {work.n_tokens} tokens (capture "
-               f"{tflop['capture']:.1f}, one unpatched pass {tflop['unpatched']:.1f}, patched passes "
-               f"{tflop['patched']:.1f}) at the measured matmul rate: the least time the forward passes "
-               f"take on this device; reference: the study's time target", device),
-    ]
+    tflop = {part: getattr(work, part) / 1e12 for part in ("capture", "unpatched", "patched")}
+    return Record(f"{name}_forward_floor_s", floor, "s", target_s, floor / target_s, "", None,
+                  f"{work.total / 1e12:.1f} TFLOP of weight products over {work.n_tokens} tokens (capture "
+                  f"{tflop['capture']:.1f}, one unpatched pass {tflop['unpatched']:.1f}, patched passes "
+                  f"{tflop['patched']:.1f}) at the measured matmul rate: the least time the forward passes "
+                  f"take on this device; reference: the time target", device)
 
 
 def study_records(pipeline_s: float, peak_rss_gib: float, steps: list[StepTime], n_tokens: int,
                   layers: list[int], device: str = "cpu", forward_floor_s: float | None = None) -> list[Record]:
     """The preset's wall time and peak memory against its targets, and how much of the time the
     output-perturbation stage alone takes (if that alone exceeds the time target, no work on the
-    other stages can meet it on this device). With `forward_floor_s` (see `floor_records`, same
+    other stages can meet it on this device). With `forward_floor_s` (see `floor_record`, same
     run) also what the run would take with every forward pass at the matmul rate and the stages
     that make none (fits, residuals, geometry, reports) as measured: above the target, the target
     is out of reach on this device without computing less."""

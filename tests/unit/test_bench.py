@@ -163,9 +163,10 @@ def test_dense_flops_count_weight_matrices_not_biases_or_norms() -> None:
 
 def test_floor_records_and_the_study_judged_against_its_floor() -> None:
     work = bench.ForwardWork(1000, 1e12, 1e12, 8e12)
-    gemm, floor = bench.floor_records(work, 1e10)
+    gemm, floor = bench.gemm_record(1e10), bench.floor_record("study", work, 1e10, bench.STUDY_TARGET_S)
     assert gemm.value == pytest.approx(10.0) and floor.value == pytest.approx(1000.0)
-    assert floor.ratio == pytest.approx(1000.0 / bench.STUDY_TARGET_S) and floor.met is None
+    assert floor.name == "study_forward_floor_s" and floor.met is None
+    assert floor.ratio == pytest.approx(1000.0 / bench.STUDY_TARGET_S)
     steps = [bench.StepTime("m:00", "activations", 300.0), bench.StepTime("m:00", "local_fits", 500.0),
              bench.StepTime("m:00", "geometry", 250.0), bench.StepTime("m:00", "functional_metrics", 3000.0)]
     records = {r.name: r for r in bench.study_records(4100.0, 3.7, steps, 1000, [0], forward_floor_s=floor.value)}
