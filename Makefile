@@ -12,6 +12,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install.stamp
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
+TEST_WORKERS ?= 2
 
 .PHONY: install run test ui
 
@@ -28,8 +29,10 @@ $(STAMP): pyproject.toml constraints.txt
 run: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m updatelens.orchestration.cli run $(ARGS)
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist; an idle process takes tests queued for
+# the other); each keeps torch to one thread, so their OpenMP threads do not spin against each other.
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 ui: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m updatelens.orchestration.cli ui $(ARGS)

@@ -8,12 +8,21 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # several test processes share the cores: one thread each (and in the processes they start),
+    # as OpenMP threads of two torch processes on the same cores spin against each other
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 REQUIRE_ALL = "UPDATELENS_REQUIRE_ALL"  # set to 1 by .ci/run: a missing tool fails its tests instead of skipping
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # in case a plugin imported torch before the variable was set
+        import torch
+
+        torch.set_num_threads(1)
     config.addinivalue_line("markers", "needs_tool(names, install): the test runs one of these executables; "
                                        "skipped when none is installed, failed when UPDATELENS_REQUIRE_ALL=1")
 
