@@ -99,7 +99,8 @@ def study_record(home: Path, summary: dict[str, object], n_tokens: int, device: 
     records = floor + bench.study_records(
         float(summary["pipeline_s"]), float(summary["peak_rss_gib"]),  # type: ignore[arg-type]
         [bench.StepTime(str(s["partitions"]), str(s["step"]), float(s["seconds"]))  # type: ignore[arg-type]
-         for s in steps], n_tokens, layers, device, forward_floor_s=floor[-1].value)
+         for s in steps], n_tokens, layers, device,
+        forward_floor_s=next(r.value for r in floor if r.name == "study_forward_floor_s"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.json").write_text(json.dumps({**summary, "n_tokens": n_tokens, "device": device,
                                                 "steps": steps}, indent=1))
