@@ -9,12 +9,13 @@ loads the model and captures once for all its layers; a single key reruns one (m
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import dagster as dg
 from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_END_TAG,
     ASSET_PARTITION_RANGE_START_TAG,
+    PARTITION_NAME_TAG,
 )
 
 MODEL_LAYER = dg.DynamicPartitionsDefinition(name="model_layer")
@@ -49,3 +50,13 @@ def group_keys(keys: Iterable[str]) -> dict[str, list[int]]:
 def range_tags(keys: Sequence[str]) -> dict[str, str]:
     """Run tags that make one run over a contiguous key range (the assets are single-run backfills)."""
     return {ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
+
+
+def tagged_key_span(tags: Mapping[str, str]) -> tuple[str, str] | None:
+    """The first and last partition key a run's tags name (a key range, or one key as both), or None
+    for a run without partitions."""
+    if ASSET_PARTITION_RANGE_START_TAG in tags:
+        return tags[ASSET_PARTITION_RANGE_START_TAG], tags[ASSET_PARTITION_RANGE_END_TAG]
+    if PARTITION_NAME_TAG in tags:
+        return tags[PARTITION_NAME_TAG], tags[PARTITION_NAME_TAG]
+    return None

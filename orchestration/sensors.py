@@ -6,11 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.storage.tags import (
-    ASSET_PARTITION_RANGE_END_TAG,
-    ASSET_PARTITION_RANGE_START_TAG,
-)
-
 from updatelens.orchestration.deployments import active_profile
 from updatelens.orchestration.jobs import analyse_job, comparison_job, report_job
 from updatelens.assets.partitions import (
@@ -19,6 +14,7 @@ from updatelens.assets.partitions import (
     model_keys,
     parse_key,
     range_tags,
+    tagged_key_span,
 )
 from updatelens.orchestration.registry_watch import fingerprint, registry_changes, stale_keys
 from updatelens.assets.resources import UpdateLensResource
@@ -102,9 +98,8 @@ stage_automation_sensor = dg.AutomationConditionSensorDefinition(
 
 def models_of_run(tags: dict[str, str]) -> list[str]:
     """The models an analyse run covered, from its partition tags (a key or a key range)."""
-    keys = [tags[t] for t in ("dagster/partition", ASSET_PARTITION_RANGE_START_TAG, ASSET_PARTITION_RANGE_END_TAG)
-            if t in tags]
-    return sorted({parse_key(key)[0] for key in keys})
+    span = tagged_key_span(tags)
+    return sorted({parse_key(key)[0] for key in span}) if span else []
 
 
 @dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, monitored_jobs=[analyse_job],
