@@ -35,34 +35,45 @@ ORDER BY layer, fn_class
 
 
 def _parse_layers(text: str | None) -> list[int] | None:
-    """"3-7", "0,15,29" or "3-7,10" -> sorted layers; ValueError naming the bad part."""
-    if not text:
+    """"3-7", "0,15,29" or "3-7,10" -> sorted layers; None when not given. ValueError naming the bad
+    part: an empty list, a part that is no layer, a reversed range."""
+    if text is None:
         return None
+    if not text.strip():
+        raise ValueError("--layers is empty; give layers like 3-7, 0,15,29 or 3-7,10 (or leave it out for all)")
     layers: set[int] = set()
     for part in text.split(","):
         a, dash, b = part.strip().partition("-")
         if not a.isdigit() or (dash and not b.isdigit()):
-            raise ValueError(f"--layers {text!r}: {part!r} is not a layer or a range like 3-7")
+            raise ValueError(f"--layers {text!r}: {part.strip()!r} is not a layer or a range like 3-7")
+        if dash and int(b) < int(a):
+            raise ValueError(f"--layers {text!r}: the range {part.strip()!r} is reversed; write {b}-{a}")
         layers.update(range(int(a), int(b) + 1) if dash else [int(a)])
     return sorted(layers)
 
 
 def _settings(args: argparse.Namespace) -> dict[str, object]:
-    from updatelens.config import preset_settings
+    """The analysis settings of the command line (preset, --set, flags), checked: an unknown key or a
+    value of the wrong type is a ConfigError naming it."""
+    from updatelens.config import AnalysisConfig, preset_settings
+    from updatelens.errors import ConfigError
 
     preset = getattr(args, "preset", None)
     settings: dict[str, object] = preset_settings(preset) if preset else {}
     for item in args.set or []:
-        key, _, value = item.partition("=")
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--set {item!r}: write KEY=VALUE, e.g. --set k=32")
         try:
-            settings[key] = json.loads(value)
+            settings[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
-            settings[key] = value
+            settings[key.strip()] = value
     if args.classes:
         settings["classes"] = args.classes.split(",")
     for name in ("n_seq", "seq_len", "k", "rank"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
+    AnalysisConfig.from_dict(settings)
     return settings
 
 
@@ -84,12 +95,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from updatelens.errors import UpdateLensError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
     if sys.stderr.isatty():  # progress bars on this terminal (Dagster captures the steps' stderr)
         os.environ.setdefault("UPDATELENS_PROGRESS", "tty")
-    try:
+    try:  # every input checked before anything is written (the data root, the Dagster home)
+        layers = _parse_layers(args.layers)
         profile = active_profile(args.profile)
-        os.environ[PROFILE_ENV] = profile.name  # the run processes and their workers build the same executor
         lens = _lens_from(args)
         cfg = lens.config()
         cfg.validate()
@@ -100,11 +110,14 @@ def cmd_run(args: argparse.Namespace) -> int:
           flush=True)
     start = time.perf_counter()
     try:
-        layers = _parse_layers(args.layers)
         report = check_inputs(args.model, lens, layers, args.preset)
     except (UpdateLensError, ValueError, OSError) as exc:
         print(f"updatelens run: {exc}", file=sys.stderr)
         return 2
+    os.environ[PROFILE_ENV] = profile.name  # the run processes and their workers build the same executor
+    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
+    for name in lens.store.clean_abandoned_staging():  # whatever the run then skips as up to date
+        print(f"removed staging {name} left by a crashed run")
     wanted = layers or (preset_layers(args.preset, report.n_layers) if args.preset else list(range(report.n_layers)))
     todo = wanted if args.force else stale_layers(lens, args.model, wanted)
     if not todo:
@@ -182,8 +195,8 @@ def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterIn
             return 1
     base = reports_root(lens.root)
     print("\nFindings (SQL view findings):")
-    print_frame(lens.store.query("SELECT model, finding, fn_class, round(value, 3) AS value, threshold, "
-                                 "holds FROM findings WHERE list_contains($1, model) ORDER BY model, finding",
+    print_frame(lens.store.query("SELECT model, config_id, finding, fn_class, round(value, 3) AS value, threshold, "
+                                 "holds FROM findings WHERE list_contains($1, model) ORDER BY model, config_id, finding",
                                  [list(models)]))
     for model in models:
         print(f"report: {base / model / 'index.html'}")
@@ -341,6 +354,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from updatelens.assets.resources import default_data_root
     from updatelens.storage import catalog
     from updatelens.storage.integrity import incomplete_layers, quarantine
+    from updatelens.storage.store import Store
     from updatelens.stages import TABLES
 
     root = args.data_root or default_data_root()
@@ -352,12 +366,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     incomplete = incomplete_layers(root, TABLES)
     for model, layer, missing in incomplete:
         print(f"incomplete: model={model} layer={layer}: no {', '.join(missing)}")
-    if args.repair and damaged:
-        catalog.refresh(root)
-    if not damaged and not incomplete:
+    db_path = catalog.catalog_path(root)
+    catalog_damage = catalog.catalog_error(db_path) if db_path is not None else None
+    if catalog_damage:
+        print(f"damaged: the catalog {db_path}: {catalog_damage}"
+              + (" (set aside and rebuilt)" if args.repair else "; the next run or `verify --repair` rebuilds it"))
+    if args.repair:
+        for name in Store.open(root).clean_abandoned_staging():
+            print(f"removed abandoned staging {name}")
+        if damaged or catalog_damage:
+            catalog.refresh(root)
+    if not damaged and not catalog_damage and not incomplete:
         print("every stored partition verifies; every stored layer is complete")
         return 0
-    if damaged and not args.repair:
+    if (damaged or catalog_damage) and not args.repair:
         print("run `updatelens verify --repair` to move the damaged files aside; `updatelens run` then recomputes "
               "them and the incomplete layers")
     elif incomplete or damaged:

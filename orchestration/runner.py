@@ -110,12 +110,8 @@ def check_inputs(model: str, lens: UpdateLensResource, layers: Sequence[int] | N
     """Everything that can be checked without loading weights (seconds, not minutes). Without
     `layers`, the disk check counts the preset's layers (or all)."""
     registry = Path(lens.registry)
-    report = preflight(get_model(model, registry), get_corpus(lens.corpus, registry), lens.config(), lens.root,
-                       len(set(layers)) if layers else None, preset)
-    bad = [layer for layer in layers or [] if not 0 <= layer < report.n_layers]
-    if bad:
-        raise ConfigError(f"{model} has {report.n_layers} layers (0..{report.n_layers - 1}); no layer {bad}")
-    return report
+    return preflight(get_model(model, registry), get_corpus(lens.corpus, registry), lens.config(), lens.root,
+                     layers, preset)
 
 
 def materialize_model(model: str, lens: UpdateLensResource, instance: dg.DagsterInstance,

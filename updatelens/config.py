@@ -200,15 +200,39 @@ class AnalysisConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> "AnalysisConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
+        """A configuration from plain values (JSON, CLI, Dagster config); ConfigError names an unknown
+        key or a value of the wrong type (one line, before any work)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(d) - set(fields)
         if unknown:
-            raise ConfigError(f"unknown configuration keys: {sorted(unknown)}")
+            raise ConfigError(f"unknown configuration keys: {sorted(unknown)}; known: {', '.join(sorted(fields))}")
+        for name, value in d.items():
+            _check_type(name, fields[name].default, value)
         return cls(**d)  # type: ignore[arg-type]
 
     def replace(self, **changes: object) -> "AnalysisConfig":
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+
+
+def _check_type(name: str, default: object, value: object) -> None:
+    """ConfigError unless `value` has the type of the field's default (an int is a float too; a
+    tuple field takes a list or tuple of its items' type)."""
+
+    def fits(expected: type, v: object) -> bool:
+        if expected is float:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        if expected is int:
+            return isinstance(v, int) and not isinstance(v, bool)
+        return isinstance(v, expected)
+
+    if isinstance(default, tuple):
+        inner = type(default[0]) if default else str
+        if not isinstance(value, (list, tuple)) or not all(fits(inner, v) for v in value):
+            raise ConfigError(f"{name} must be a list of {inner.__name__} (e.g. {json.dumps(list(default))}), "
+                              f"got {value!r}")
+    elif not fits(type(default), value):
+        raise ConfigError(f"{name} must be {type(default).__name__} (default {json.dumps(default)}), got {value!r}")
 
 
 # Named starting points for `updatelens run --preset NAME` (explicit settings override them).

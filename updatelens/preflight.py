@@ -11,6 +11,7 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,9 +109,10 @@ def _check_object_root(root: object) -> None:
 
 
 def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_root: Path,
-              layers: int | None = None, preset: str | None = None) -> Preflight:
-    """`layers`: how many layers the run analyses; None: the preset's (e.g. the study's three), or
-    all of them. The disk check counts that many."""
+              layers: Sequence[int] | None = None, preset: str | None = None) -> Preflight:
+    """`layers`: the layers the run analyses; None: the preset's (e.g. the study's three), or all of
+    them. A layer the model does not have is refused before anything is written; the disk check
+    counts that many layers."""
     from transformers import AutoTokenizer
 
     source, config = read_model_config(entry)
@@ -120,16 +122,16 @@ def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_
         raise ModelError(f"model {entry.slug!r}: its config states no depth or width")
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     cfg.validate(d_model=d_model, max_positions=int(max_pos) if max_pos else None)
-    if layers is not None and layers > n_layers:
-        raise ConfigError(f"{layers} layers requested, the model has {n_layers}")
+    bad = sorted(layer for layer in set(layers or []) if not 0 <= layer < n_layers)
+    if bad:
+        raise ConfigError(f"{entry.slug} has {n_layers} layers (0..{n_layers - 1}); no layer {bad}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, revision=entry.revision or None)
     except (OSError, ValueError) as exc:
         raise ModelError(f"model {entry.slug!r}: no usable tokenizer at {source}: {exc}") from exc
     sample = make_sample(corpus, tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset)
-    if layers is None:
-        layers = len(preset_layers(preset, n_layers)) if preset else n_layers
-    needed = estimate_bytes(cfg, layers, d_model)
+    n_analysed = len(set(layers)) if layers else len(preset_layers(preset, n_layers)) if preset else n_layers
+    needed = estimate_bytes(cfg, n_analysed, d_model)
     check_data_root(data_root, needed)
     return Preflight(n_layers=n_layers, d_model=d_model, max_positions=int(max_pos) if max_pos else None,
                      sample=sample, bytes_needed=needed)

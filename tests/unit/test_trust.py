@@ -1,0 +1,243 @@
+"""Nothing wrong is served: misplaced and stray partition files, a damaged or foreign catalog, SQL that
+tries to write, missing token text, interrupted replacements and bad input (each fault made by hand)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from updatelens.storage import catalog
+from updatelens.storage.integrity import MANIFEST, QUARANTINE, partition_error, quarantine, scan, sha256_of
+from updatelens.storage.layout import STAGING, TARGET_SUFFIX, clean_abandoned_staging, partition_dir, partition_file, \
+    staged_dir, write_partition
+
+
+def rows(layer: int, n: int = 4, model: str = "m", config: str = "c1") -> pa.Table:
+    return pa.table({"model": [model] * n, "layer": pa.array([layer] * n, pa.int32()), "config_id": [config] * n,
+                     "seq": pa.array(range(n), pa.int32()), "pos": pa.array([1] * n, pa.int32()),
+                     "corpus_slice": ["s"] * n, "v": [float(layer)] * n})
+
+
+def two_layers(root: Path) -> None:
+    for layer in (3, 4):
+        write_partition(root, "activations", "m", layer, rows(layer))
+
+
+def test_a_partition_copied_into_another_layers_folder_is_damaged_and_left_out(tmp_path: Path) -> None:
+    two_layers(tmp_path)
+    shutil.rmtree(partition_dir(tmp_path, "activations", "m", 4))
+    shutil.copytree(partition_dir(tmp_path, "activations", "m", 3), partition_dir(tmp_path, "activations", "m", 4))
+    reason = partition_error(partition_file(tmp_path, "activations", "m", 4))
+    assert reason is not None and "manifest says it holds activations model=m layer=3" in reason
+    assert catalog.query(tmp_path, "SELECT DISTINCT layer FROM activations")["layer"].to_list() == [3]
+    damaged = catalog.query(tmp_path, "SELECT table_name, layer FROM damaged_partitions")
+    assert damaged.rows() == [("activations", 4)]
+
+
+def test_rows_of_another_layer_under_a_manifest_that_names_the_folder_are_damaged(tmp_path: Path) -> None:
+    """The manifest rewritten to match the folder (checksum and all): the rows still say layer 3."""
+    two_layers(tmp_path)
+    target = partition_file(tmp_path, "activations", "m", 4)
+    shutil.copy(partition_file(tmp_path, "activations", "m", 3), target)
+    manifest = json.loads((target.parent / MANIFEST).read_text())
+    manifest.update(bytes=target.stat().st_size, sha256=sha256_of(target))
+    (target.parent / MANIFEST).write_text(json.dumps(manifest))
+    assert "its rows have layer 3, its folder and manifest say 4" in (partition_error(target) or "")
+    manifest["config_id"] = "other"
+    write_partition(tmp_path, "activations", "m", 5, rows(5))
+    five = partition_file(tmp_path, "activations", "m", 5)
+    entry = json.loads((five.parent / MANIFEST).read_text())
+    (five.parent / MANIFEST).write_text(json.dumps({**entry, "config_id": "c2"}))
+    assert "its rows have config_id c1, its folder and manifest say c2" in (partition_error(five) or "")
+
+
+def test_a_manifest_that_does_not_name_its_partition_is_not_trusted(tmp_path: Path) -> None:
+    write_partition(tmp_path, "activations", "m", 3, rows(3))
+    file = partition_file(tmp_path, "activations", "m", 3)
+    entry = json.loads((file.parent / MANIFEST).read_text())
+    assert (entry["table"], entry["model"], entry["layer"], entry["config_id"]) == ("activations", "m", 3, "c1")
+    del entry["layer"]
+    (file.parent / MANIFEST).write_text(json.dumps(entry))
+    assert "does not say which partition it holds" in (partition_error(file) or "")
+
+
+def test_a_stray_file_is_quarantined_alone_and_its_partition_is_stale(tmp_path: Path) -> None:
+    from updatelens.orchestration.registry_watch import partition_state
+
+    two_layers(tmp_path)
+    folder = partition_dir(tmp_path, "activations", "m", 4)
+    stray = folder / "part-1.parquet"
+    shutil.copy(partition_file(tmp_path, "activations", "m", 3), stray)
+    _, damaged = scan(tmp_path, ("activations",))
+    assert [(Path(d.path).name, d.layer) for d in damaged] == [("part-1.parquet", 4)]
+    assert "not listed in a manifest" in damaged[0].reason
+    assert partition_state(tmp_path, "m", 4) is None  # stale: the next run rewrites the partition
+    where = quarantine(tmp_path, stray)
+    assert where.exists() and not (where.parent / MANIFEST).exists()  # the manifest is part-0's: it stays
+    assert sorted(p.name for p in folder.iterdir()) == [MANIFEST, "part-0.parquet"]
+    assert partition_error(partition_file(tmp_path, "activations", "m", 4)) is None
+    assert catalog.query(tmp_path, "SELECT count(*) AS n FROM activations WHERE layer = 4")["n"][0] == 4
+
+
+@pytest.mark.parametrize("fault", ["truncated", "foreign"])
+def test_a_damaged_or_foreign_catalog_is_set_aside_and_rebuilt(tmp_path: Path, fault: str) -> None:
+    import duckdb
+
+    two_layers(tmp_path)
+    catalog.refresh(tmp_path)
+    db = catalog.catalog_path(tmp_path)
+    assert db is not None and catalog.catalog_error(db) is None
+    if fault == "truncated":
+        with open(db, "r+b") as handle:
+            handle.truncate(100)
+    else:
+        db.unlink()
+        with duckdb.connect(str(db)) as con:
+            con.execute("CREATE TABLE notes AS SELECT 1 AS x")
+    assert catalog.catalog_error(db) is not None
+    with pytest.warns(UserWarning, match="moved it to"):
+        views = catalog.refresh(tmp_path)
+    assert "activations" in views and catalog.catalog_error(db) is None
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.sql("SELECT count(*) FROM activations").fetchone() == (8,)
+    kept = list((tmp_path / QUARANTINE).glob(f"*/{db.name}"))
+    assert len(kept) == 1  # set aside, never deleted
+
+
+def _snapshot(*folders: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for folder in folders
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def write_forms(stored: Path, outside: Path) -> list[str]:
+    """Every way of writing through SQL we know of, at a stored partition file and outside the root."""
+    forms = []
+    for target in (stored, outside / "x.parquet"):
+        copy = f"COPY (SELECT 42 AS a) TO '{target}' (FORMAT parquet, USE_TMP_FILE false)"
+        forms += [copy, f"EXPLAIN ANALYZE {copy}", f"explain analyse {copy}", f"/* c */ EXPLAIN /* d */ ANALYZE {copy}",
+                  f"EXPLAIN (ANALYZE) {copy}", f"SELECT 1; {copy}", f"-- note\n{copy}",
+                  f"EXPLAIN ANALYZE EXPLAIN ANALYZE {copy}", f"COPY activations TO '{target}' (FORMAT csv)"]
+    forms += [f"EXPORT DATABASE '{outside / 'export'}'", f"ATTACH '{outside / 'other.duckdb'}' AS other",
+              f"EXPLAIN ANALYZE ATTACH '{outside / 'other.duckdb'}'", "INSTALL httpfs", "LOAD httpfs",
+              "SET enable_external_access = true", "RESET lock_configuration", "CREATE TABLE t AS SELECT 1",
+              "CREATE OR REPLACE VIEW activations AS SELECT 1", f"SET temp_directory = '{outside / 'tmp'}'",
+              f"PRAGMA enable_profiling = 'json'", f"SET profiling_output = '{outside / 'profile.json'}'",
+              "CALL enable_logging()", "CHECKPOINT", "DROP VIEW activations"]
+    return forms
+
+
+def test_sql_cannot_write_in_any_form(tmp_path: Path) -> None:
+    import duckdb
+
+    root, outside = tmp_path / "data", tmp_path / "outside"
+    outside.mkdir()
+    two_layers(root)
+    catalog.refresh(root)
+    stored = partition_file(root, "activations", "m", 3)
+    before = _snapshot(root, outside)
+    for form in write_forms(stored, outside):
+        with pytest.raises((catalog.ReadOnlyError, duckdb.ParserException)) as caught:  # refused, or cannot parse
+            catalog.query(root, form)
+        assert caught.type is catalog.ReadOnlyError or "syntax error" in str(caught.value), (form, caught.value)
+    assert _snapshot(root, outside) == before
+    # the engine itself refuses every file but the verified ones, whatever the statement check let by
+    # (a stored file is protected by the statement check alone: the engine may read it, hence open it)
+    with catalog.connect(root, read_only=True) as con:
+        engine = [f for f in write_forms(stored, outside) if str(outside) in f and "EXPLAIN" not in f
+                  and "SET" not in f and "(SELECT 42" in f]
+        for form in [*engine, f"SELECT * FROM read_csv('{tmp_path}/x.csv')", "INSTALL httpfs",
+                     f"ATTACH '{outside / 'other.duckdb'}' AS other", "SET enable_external_access = true"]:
+            with pytest.raises(duckdb.Error, match="disabled by configuration|Permission|locked"):
+                con.execute(form)
+    assert _snapshot(root, outside) == before
+    # reading still works, EXPLAIN of a SELECT included; --write lifts the limits
+    assert catalog.query(root, "EXPLAIN ANALYZE SELECT count(*) FROM activations").height >= 1
+    assert catalog.query(root, "/* c */ SELECT count(*) AS n FROM activations; SELECT 2 AS n")["n"][0] == 2
+    catalog.query(root, f"COPY (SELECT 1 AS a) TO '{outside / 'ok.csv'}'", write=True)
+    assert (outside / "ok.csv").exists()
+
+
+def test_missing_token_text_is_listed_with_what_it_leaves_out(tmp_path: Path) -> None:
+    for layer in (3, 4):
+        write_partition(tmp_path, "residuals", "m", layer, rows(layer))
+        write_partition(tmp_path, "tokens", "m", layer, rows(layer).append_column("token_id", pa.array([7] * 4))
+                        .append_column("token", pa.array(["a"] * 4)).append_column("context", pa.array(["b a"] * 4)))
+    shutil.rmtree(partition_dir(tmp_path, "tokens", "m", 4))
+    damaged = catalog.query(tmp_path, "SELECT table_name, layer, reason FROM damaged_partitions")
+    assert damaged.rows(named=False)[0][:2] == ("tokens", 4)
+    assert "token text" in damaged["reason"][0] and "NULL" in damaged["reason"][0]
+
+
+def test_a_replaced_folder_is_never_absent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The swap is one atomic exchange; where the system cannot exchange, a writer killed between its
+    two renames leaves the old folder aside with its target, and cleaning puts it back."""
+    from updatelens.storage import layout
+
+    final = tmp_path / "reports" / "m"
+    for text in ("old", "new"):
+        with staged_dir(tmp_path, final) as staging:
+            (staging / "index.html").write_text(text)
+    assert (final / "index.html").read_text() == "new" and not list((tmp_path / STAGING).iterdir())
+    monkeypatch.setattr(layout, "_exchange", lambda a, b: False)
+    with staged_dir(tmp_path, final) as staging:
+        (staging / "index.html").write_text("newer")
+    assert (final / "index.html").read_text() == "newer" and not list((tmp_path / STAGING).iterdir())
+    # what a kill between the two renames leaves: the folder aside, its target beside it
+    dead = 2**22 + 12345
+    aside = tmp_path / STAGING / f"{dead}-abc.old"
+    os.rename(final, aside)
+    (aside.parent / f"{aside.name}{TARGET_SUFFIX}").write_text(str(final))
+    (tmp_path / STAGING / f"{dead}-def").mkdir()  # and a half-written new folder
+    removed = clean_abandoned_staging(tmp_path)
+    assert sorted(removed) == [f"{dead}-abc.old", f"{dead}-def"]
+    assert (final / "index.html").read_text() == "newer" and not list((tmp_path / STAGING).iterdir())
+
+
+def test_settings_of_the_wrong_name_or_type_are_refused_in_one_line() -> None:
+    from updatelens.config import AnalysisConfig
+    from updatelens.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unknown configuration keys: \['nosuchfield'\]"):
+        AnalysisConfig.from_dict({"nosuchfield": 1})
+    with pytest.raises(ConfigError, match=r"^k must be int \(default 64\), got 'abc'$"):
+        AnalysisConfig.from_dict({"k": "abc"})
+    with pytest.raises(ConfigError, match=r"classes must be a list of str"):
+        AnalysisConfig.from_dict({"classes": "lowrank"})
+    assert AnalysisConfig.from_dict({"ridge": 1, "classes": ["lowrank"]}).ridge == 1
+
+
+@pytest.mark.parametrize("layers,message", [("4-3", "the range '4-3' is reversed; write 3-4"),
+                                            ("4-3,7", "the range '4-3' is reversed"),
+                                            ("", "--layers is empty"), (" ", "--layers is empty"),
+                                            ("3,,4", "'' is not a layer")])
+def test_layer_lists_that_mean_nothing_are_refused(layers: str, message: str) -> None:
+    from updatelens.orchestration.commands import _parse_layers
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        _parse_layers(layers)
+
+
+@pytest.mark.parametrize("extra,message", [(["--layers", "99"], "has 3 layers (0..2); no layer [99]"),
+                                           (["--layers", "1-0"], "reversed"),
+                                           (["--set", "nosuchfield=1"], "unknown configuration keys: ['nosuchfield']"),
+                                           (["--set", "rank=abc"], "rank must be int (default 8), got 'abc'"),
+                                           (["--set", "k"], "write KEY=VALUE")])
+def test_bad_run_input_is_refused_before_anything_is_created(zoo: Path, tmp_path: Path, extra: list[str],
+                                                             message: str, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from updatelens.orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    root = tmp_path / "data"
+    code = main(["run", "--registry", str(zoo), "--data-root", str(root), "--model", "tiny-gpt2", "--n-seq", "6",
+                 "--seq-len", "16", "--k", "8", *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no data root, no Dagster home
