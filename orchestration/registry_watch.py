@@ -15,7 +15,7 @@ from pathlib import Path
 from updatelens.assets.partitions import model_keys
 from updatelens.storage.integrity import partition_error
 from updatelens.stages import TABLES
-from updatelens.storage.layout import partition_file, read_file
+from updatelens.storage.layout import PART_FILE, partition_dir, partition_file, read_file
 from updatelens.registry import ModelEntry, load_models
 from updatelens.stages import LAST_TABLE
 
@@ -47,8 +47,12 @@ def partition_state(root: Path, model: str, layer: int) -> tuple[str, str] | Non
     table of the (model, layer) is absent or does not verify against its manifest (a partition
     deleted or damaged upstream makes the layer stale: see storage.integrity)."""
     path = partition_file(root, LAST_TABLE, model, layer)
-    if any(partition_error(partition_file(root, table, model, layer)) is not None for table in TABLES):
-        return None
+    for table in TABLES:
+        folder = partition_dir(root, table, model, layer)
+        # every file of the folder counts: one its manifest does not list (a stray copy) makes it stale
+        files = [partition_file(root, table, model, layer), *(f for f in folder.glob("*.parquet") if f.name != PART_FILE)]
+        if any(partition_error(file) is not None for file in files):
+            return None
     table = read_file(path).select(["config_id", "code_version"])
     if len(table) == 0:
         return None

@@ -73,6 +73,23 @@ class Report:
         return self.directory / "index.html"
 
 
+
+# What a layer's missing or damaged partition of each table leaves out of the report (the views read
+# only verified files; the findings aggregate layer_summary, built from geometry and functional_summary).
+LEFT_OUT: dict[str, str] = {
+    "activations": "the analysis tables of the layer are still shown (they were computed before it went)",
+    "tokens": "the token text (token, context) of its residuals and functional_metrics is NULL; its figures and "
+              "findings are still included",
+    "local_fits": "the analysis tables of the layer are still shown (they were computed before it went)",
+    "residuals": "the analysis tables of the layer are still shown (they were computed before it went)",
+    "geometry": "the layer is left out of every per-layer figure and every finding",
+    "spectra": "the layer is left out of the spectra and of finding 3 (effective ranks)",
+    "geometry_bootstrap": "the layer is left out of the findings' intervals",
+    "functional_metrics": "the layer is left out of the error-against-KL figure",
+    "functional_summary": "the layer has no KL or Spearman figures: finding 4 and the control curves leave it out",
+    "functional_bootstrap": "the layer is left out of finding 4's interval",
+}
+
 def reports_root(root: str | Path) -> UPath:
     return as_root(root) / REPORTS
 
@@ -209,13 +226,16 @@ def build_model_report(root: Path, model: str) -> Report:
     n_layers = layers[-1] + 1
     if len(layers) < n_layers:
         notes.append(f"Only layers {', '.join(map(str, layers))} are stored; curves skip the others.")
-    # a layer with a table missing or damaged is not presented as complete: say which and what to run
-    for row in damaged.iter_rows(named=True):
-        notes.append(f"Layer {row['layer']}: its {row['table_name']} partition is damaged ({row['reason']}) and left "
-                     f"out of every table and finding; `updatelens verify --repair`, then `updatelens run`, "
-                     f"recompute it.")
+    # a layer with a table missing or damaged is not presented as complete: say which, what it leaves
+    # out of this report, and what to run
+    problems = {(row["layer"], row["table_name"]): row["reason"] for row in damaged.iter_rows(named=True)}
     for _, layer, absent in (i for i in incomplete_layers(root, TABLES) if i[0] == model):
-        notes.append(f"Layer {layer} is incomplete (no {', '.join(absent)}): the findings cover the other layers.")
+        for table in absent:
+            problems.setdefault((layer, table), "missing")
+    for (layer, table), reason in sorted(problems.items()):
+        what = "missing" if reason.startswith("missing") else f"damaged ({reason})"
+        notes.append(f"Layer {layer}: its {table} partition is {what}; {LEFT_OUT[table]}. `updatelens verify --repair`, "
+                     f"then `updatelens run`, recompute it.")
     title = f"UpdateLens report: {model}"
     drawings = {
         "layer_curves": lambda: fig.layer_curves(summary, ranks, f"{model}, config {config_id}"),

@@ -16,6 +16,9 @@ is then not written (its views would only open where that filesystem is register
 from __future__ import annotations
 
 import fcntl
+import os
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +27,10 @@ import duckdb
 import polars as pl
 
 from updatelens.findings import FINDINGS, STATISTICS, Finding
-from updatelens.storage.integrity import Damaged, scan
+from updatelens.storage.integrity import QUARANTINE, Damaged, scan
 from updatelens.stages import SWEEP_TABLES, TABLES
-from updatelens.storage.layout import CONVERGENCE, SWEEPS, has_sweep_runs, sweep_runs_pattern
-from updatelens.storage.location import as_root, is_local
+from updatelens.storage.layout import CONVERGENCE, SWEEPS, has_sweep_runs, partition_file, sweep_runs_glob
+from updatelens.storage.location import as_root, is_local, url
 
 CATALOG_FILE = "updatelens.duckdb"
 
@@ -226,7 +229,8 @@ CONV_HIVE = "'n_seq': INTEGER, 'model': VARCHAR, 'layer': INTEGER"  # n_seq is p
 
 
 def damaged_view_sql(damaged: list[Damaged]) -> str:
-    """`damaged_partitions(path, table_name, model, layer, reason)`: the files the views leave out."""
+    """`damaged_partitions(path, table_name, model, layer, reason)`: the files the views leave out,
+    and the `tokens` partitions whose absence leaves the text columns NULL."""
     if not damaged:
         return ("CREATE OR REPLACE VIEW damaged_partitions AS SELECT NULL::VARCHAR AS path, NULL::VARCHAR AS "
                 "table_name, NULL::VARCHAR AS model, NULL::INTEGER AS layer, NULL::VARCHAR AS reason WHERE false")
@@ -367,6 +371,23 @@ class Verified:
     sweeps: dict[str, list[str]]
     convergence: dict[str, list[str]]
     damaged: list[Damaged]
+    missing_text: list[Damaged]  # layers whose per-token views would show NULL text: no verified `tokens`
+
+
+def _partition_of(file: str) -> tuple[str, int]:
+    """(model, layer) of a partition file's url."""
+    path = as_root(file)
+    return path.parent.parent.name.split("=", 1)[1], int(path.parent.name.split("=", 1)[1])
+
+
+def missing_text(root: str | Path, good: dict[str, list[str]]) -> list[Damaged]:
+    """The (model, layer)s with a per-token table that joins its text (WITH_TEXT) but no verified
+    `tokens` partition: their `token` and `context` would be NULL without a word."""
+    have = {_partition_of(f) for f in good.get("tokens", [])}
+    wanting = sorted({_partition_of(f) for table in WITH_TEXT for f in good.get(table, [])} - have)
+    return [Damaged(url(partition_file(root, "tokens", model, layer)), "tokens", model, layer,
+                    f"missing: the token text (token, context) of {' and '.join(WITH_TEXT)} is NULL for this layer")
+            for model, layer in wanting]
 
 
 def verify_root(root: str | Path) -> Verified:
@@ -374,12 +395,17 @@ def verify_root(root: str | Path) -> Verified:
     main, damaged = scan(root, TABLES)
     sweeps, sweep_damaged = scan(root, SWEEP_TABLES, f"{SWEEPS}/config=*/")
     convergence, conv_damaged = scan(root, TABLES, f"{CONVERGENCE}/n_seq=*/")
-    return Verified(main, sweeps, convergence, damaged + sweep_damaged + conv_damaged)
+    return Verified(main, sweeps, convergence, damaged + sweep_damaged + conv_damaged, missing_text(root, main))
 
 
 def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
     """(Re)create on `con` the views of every table with verified files; drop the others. Files whose
     Parquet footer does not read are left out and listed in `damaged_partitions`."""
+    return _create_views(con, root)[0]
+
+
+def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[list[str], list[str]]:
+    """The views created, and every file they read."""
     root = as_root(root)
     if not is_local(root):
         con.register_filesystem(root.fs)
@@ -389,9 +415,10 @@ def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
         for table in (t for t in WITH_TEXT if t in present):
             _create_view(con, table, verified.main[table], lambda files, name=table: _text_view(name, files, MAIN_HIVE))
     swept = _family_views(con, verified.sweeps, SWEEP_TABLES, "sweep_", SWEEP_HIVE, "* EXCLUDE (config)")
-    if has_sweep_runs(root):
-        con.execute(f"CREATE OR REPLACE VIEW sweep_runs AS SELECT * FROM read_parquet("
-                    f"{_sql_string(sweep_runs_pattern(root))}, union_by_name = true)")
+    runs = [url(f) for f in sorted(root.glob(sweep_runs_glob()), key=str)] if has_sweep_runs(root) else []
+    if runs:  # an explicit file list: the read-only engine opens only listed files
+        listed = ", ".join(_sql_string(f) for f in runs)
+        con.execute(f"CREATE OR REPLACE VIEW sweep_runs AS SELECT * FROM read_parquet([{listed}], union_by_name = true)")
     else:
         con.execute("DROP VIEW IF EXISTS sweep_runs")
     views = [t for t in TABLES if t in present] + _create_family(con, present, "")
@@ -404,17 +431,50 @@ def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
         views.append("convergence")
     else:
         con.execute("DROP VIEW IF EXISTS convergence")
-    if has_sweep_runs(root) and "sweep_findings" in views:
+    if runs and "sweep_findings" in views:
         con.execute(sensitivity_sql())
         views += ["sweep_runs", "sensitivity"]
     else:
         con.execute("DROP VIEW IF EXISTS sensitivity")
-    con.execute(damaged_view_sql(verified.damaged))
-    return [*views, "damaged_partitions"]
+    con.execute(damaged_view_sql(verified.damaged + verified.missing_text))
+    read = [f for family in (verified.main, verified.sweeps, conv_files) for files in family.values() for f in files]
+    return [*views, "damaged_partitions"], read + runs
+
+
+def catalog_error(db_path: Path) -> str | None:
+    """Why the catalog file cannot be used (None: absent, in use by another process, or a DuckDB
+    database holding views only, as the catalog does). It holds no data: a damaged or foreign one is
+    moved aside and rebuilt (`refresh`)."""
+    if not db_path.exists():
+        return None
+    try:
+        with duckdb.connect(str(db_path), read_only=True) as con:
+            tables = con.execute("SELECT count(*) FROM duckdb_tables()").fetchone()
+    except duckdb.Error as exc:
+        message = str(exc).splitlines()[0]
+        if "lock" in message.lower():  # open in another process (a `duckdb` shell): busy, not damaged
+            return None
+        return f"not a readable DuckDB database ({message})"
+    if tables and tables[0]:
+        return f"holds {tables[0]} tables: not an UpdateLens catalog, which holds views only"
+    return None
+
+
+def _set_aside(root: str | Path, db_path: Path, reason: str) -> Path:
+    """Move a damaged or foreign catalog (and its write-ahead log) to the quarantine; never deleted."""
+    target = Path(as_root(root)) / QUARANTINE / time.strftime("%Y%m%dT%H%M%S") / db_path.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(db_path, target)
+    wal = db_path.with_name(db_path.name + ".wal")
+    if wal.exists():
+        os.replace(wal, target.with_name(wal.name))
+    warnings.warn(f"the catalog {db_path} was {reason}; moved it to {target} and rebuilt it", stacklevel=3)
+    return target
 
 
 def refresh(root: str | Path, db_path: Path | None = None) -> list[str]:
-    """Rebuild the catalog file's views; returns the view names (object store: checked in memory)."""
+    """Rebuild the catalog file's views; returns the view names (object store: checked in memory).
+    A damaged or foreign catalog file is set aside first and built anew (it holds only views)."""
     db_path = db_path or catalog_path(root)
     if db_path is None:
         with duckdb.connect() as con:
@@ -423,14 +483,23 @@ def refresh(root: str | Path, db_path: Path | None = None) -> list[str]:
     # One writer at a time: DuckDB allows a single read-write process per database file.
     with open(db_path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if reason := catalog_error(db_path):
+            _set_aside(root, db_path, reason)
         with duckdb.connect(str(db_path)) as con:
             return create_views(con, root)
 
 
-def connect(root: str | Path) -> duckdb.DuckDBPyConnection:
-    """An in-memory connection with the catalog's views: never blocked by a writer's file lock."""
+def connect(root: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """An in-memory connection with the catalog's views: never blocked by a writer's file lock.
+    `read_only` (a local root): the engine may then open only the verified files the views read,
+    and its settings are locked, so no statement can write a file, attach a database, install or
+    load an extension, or lift these limits."""
     con = duckdb.connect()
-    create_views(con, root)
+    _, readable = _create_views(con, root)
+    if read_only and is_local(as_root(root)):
+        con.execute(f"SET allowed_paths = [{', '.join(_sql_string(f) for f in readable)}]")
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
     return con
 
 
@@ -438,19 +507,39 @@ class ReadOnlyError(ValueError):
     """A statement that could write (COPY, CREATE, ATTACH, ...) where only reading was allowed."""
 
 
-READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")  # DESCRIBE, SHOW, SUMMARIZE and PRAGMA show_* parse as SELECT
+def _explained(con: duckdb.DuckDBPyConnection, text: str) -> list[duckdb.Statement]:
+    """The statements an EXPLAIN [ANALYZE] [(options)] statement wraps: the first suffix of its text,
+    from one of its tokens on, that parses ([] when none does)."""
+    for position, _ in duckdb.tokenize(text)[1:]:
+        try:
+            return con.extract_statements(text[position:])
+        except duckdb.Error:
+            continue
+    return []
+
+
+def refuse_writes(con: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """ReadOnlyError unless every statement of `sql` is a SELECT (DESCRIBE, SHOW, SUMMARIZE and
+    PRAGMA show_* parse as SELECT) or an EXPLAIN of statements that all are, however nested or
+    commented: EXPLAIN ANALYZE executes what it wraps."""
+    for statement in con.extract_statements(sql):
+        kind = statement.type.name
+        if kind == "EXPLAIN":
+            inner = _explained(con, statement.query)
+            if not inner:
+                raise ReadOnlyError("read-only: an EXPLAIN whose statement cannot be read is not allowed")
+            refuse_writes(con, ";".join(st.query for st in inner))
+        elif kind != "SELECT":
+            raise ReadOnlyError(f"read-only: {kind} statements are not allowed (updatelens sql --write allows them)")
 
 
 def query(root: str | Path, sql: str, params: list[object] | None = None, write: bool = False) -> pl.DataFrame:
     """Run SQL over the stored tables, with `$1`.. bound to `params`; returns a polars frame (empty
     for statements without rows). Unless `write`, only reading statements run: a COPY ... TO, CREATE,
-    ATTACH, INSTALL or SET is refused (ReadOnlyError) before anything executes."""
-    with connect(root) as con:
+    ATTACH, INSTALL or SET is refused (ReadOnlyError) before anything executes, and the engine
+    itself is limited to reading the verified files (`connect(read_only=True)`)."""
+    with connect(root, read_only=not write) as con:
         if not write:
-            kinds = [st.type.name for st in con.extract_statements(sql)]
-            refused = sorted({kind for kind in kinds if kind not in READ_ONLY_STATEMENTS})
-            if refused:
-                raise ReadOnlyError(f"read-only: {', '.join(refused)} statements are not allowed "
-                                    f"(updatelens sql --write allows them)")
+            refuse_writes(con, sql)
         rel = con.sql(sql, params=params) if params else con.sql(sql)
         return rel.pl() if rel is not None else pl.DataFrame()

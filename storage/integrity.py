@@ -8,9 +8,11 @@ truncated file, a partial copy, a flipped bit, a file written by hand or by an o
 fail. The views read only files that verify, so one damaged partition does not break queries of
 the others; staleness counts a damaged file as missing, so the next run recomputes it; `quarantine`
 moves a damaged file aside under `<root>/_quarantine/` (never deleted) before it is replaced.
-Checking the default job's whole data root (941 MB, 270 files) took 1.8 s here in a fresh process
-(SHA-256 at about 1.4 GB/s), against 594 s of pipeline; results are cached in-process by the size
-and mtime of the file and of its manifest, so a run hashes each file about once.
+A manifest also says which partition it holds (table, model, layer, config_id, code_version): a
+file copied or moved into another partition's folder, with its manifest, is damaged too, and so is
+one whose rows name another model or layer than its folder (the footer's column statistics, no
+extra read). Results are cached in-process by the size and mtime of the file and of its manifest,
+so a run hashes each file about once (what verification costs: bench/records/verify_overhead-*.json).
 """
 
 from __future__ import annotations
@@ -42,16 +44,18 @@ class Damaged:
     reason: str
 
 
+def _metadata(path: UPath) -> pq.FileMetaData:
+    if is_local(path):
+        return pq.read_metadata(path)
+    with path.fs.open(path.path, "rb") as handle:
+        return pq.read_metadata(handle)
+
+
 def footer_error(path: str | Path, rows: int | None = None) -> str | None:
     """Why a stored Parquet file cannot be read (None: its footer reads and it has rows, `rows` of
     them when given)."""
-    path = as_root(path)
     try:
-        if is_local(path):
-            meta = pq.read_metadata(path)
-        else:
-            with path.fs.open(path.path, "rb") as handle:
-                meta = pq.read_metadata(handle)
+        meta = _metadata(as_root(path))
     except FileNotFoundError:
         return "missing"
     except (OSError, ValueError) as exc:  # pyarrow: "Parquet magic bytes not found", "file size is 0"
@@ -60,6 +64,58 @@ def footer_error(path: str | Path, rows: int | None = None) -> str | None:
         return "no rows"
     if rows is not None and meta.num_rows != rows:
         return f"{meta.num_rows} rows, its manifest says {rows}"
+    return None
+
+
+def folder_identity(path: str | Path) -> dict[str, object] | None:
+    """The (table, model, layer) a partition file's folder stands for:
+    `.../<table>/model=<m>/layer=<l>/<file>`; None for a file outside that layout (a sweep record)."""
+    path = as_root(path)
+    layer_dir, model_dir = path.parent, path.parent.parent
+    if not (layer_dir.name.startswith("layer=") and model_dir.name.startswith("model=")):
+        return None
+    try:
+        layer = int(_key(layer_dir.name))
+    except ValueError:
+        return None
+    return {"table": model_dir.parent.name, "model": _key(model_dir.name), "layer": layer}
+
+
+def _column_values(meta: pq.FileMetaData, column: str) -> set[object] | None:
+    """Every value a column takes, from its row-group statistics (min and max); None when the file
+    has no such column or a row group has no statistics."""
+    names = meta.schema.names
+    if column not in names:
+        return None
+    index = names.index(column)
+    values: set[object] = set()
+    for i in range(meta.num_row_groups):
+        stats = meta.row_group(i).column(index).statistics
+        if stats is None or not stats.has_min_max:
+            return None
+        values.update((stats.min, stats.max))
+    return values
+
+
+def identity_error(path: str | Path, entry: dict, meta: pq.FileMetaData) -> str | None:
+    """Why a partition file holds another partition than its folder says (None: its manifest and its
+    rows' `model`, `layer` and `config_id` agree with the folder and with each other)."""
+    expected = folder_identity(path)
+    if expected is None:
+        return None
+    claimed = {key: entry.get(key) for key in expected}
+    if claimed != expected:
+        if any(value is None for value in claimed.values()):
+            return "its manifest does not say which partition it holds (written by an older version)"
+        return (f"its manifest says it holds {claimed['table']} model={claimed['model']} layer={claimed['layer']}, "
+                f"its folder is {expected['table']} model={expected['model']} layer={expected['layer']} "
+                f"(moved or copied from another partition)")
+    for column, want in (("model", expected["model"]), ("layer", expected["layer"]),
+                         ("config_id", entry.get("config_id"))):
+        values = _column_values(meta, column)
+        if values is not None and want is not None and values != {want}:
+            shown = ", ".join(sorted(str(v) for v in values))
+            return f"its rows have {column} {shown}, its folder and manifest say {want} (another partition's rows)"
     return None
 
 
@@ -72,8 +128,9 @@ def sha256_of(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(file: Path, table: str, rows: int, provenance: dict[str, str]) -> Path:
-    """The manifest of a just-written local partition file, beside it (fsynced)."""
+def write_manifest(file: Path, table: str, rows: int, provenance: dict[str, object]) -> Path:
+    """The manifest of a just-written local partition file, beside it (fsynced). `provenance` names
+    the partition it holds (model, layer) and its rows' config_id and code_version."""
     entry = {"file": file.name, "table": table, "rows": rows, "bytes": file.stat().st_size,
              "sha256": sha256_of(file), **provenance,
              "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -127,6 +184,8 @@ def partition_error(file: str | Path) -> str | None:
         reason = "content differs from its manifest's SHA-256 (damaged on disk or in a copy)"
     else:
         reason = footer_error(path, entry.get("rows"))
+        if reason is None:
+            reason = identity_error(path, entry, _metadata(path))
     if is_local(path):
         _verified[key] = reason
     return reason
@@ -157,13 +216,14 @@ def scan(root: str | Path, tables: tuple[str, ...], prefix: str = "") -> tuple[d
 
 
 def quarantine(root: str | Path, file: str | Path, relative: str | None = None) -> UPath:
-    """Move a damaged file, and the manifest beside it, to `<root>/_quarantine/<time>/<its path under
+    """Move a damaged file, and the manifest beside it when it lists that file, to `<root>/_quarantine/<time>/<its path under
     root>` (or `relative`, for a file already moved out of its place); returns where the file went."""
     root, file = as_root(root), as_root(file)
     relative = relative or str(file).removeprefix(str(root)).lstrip("/")
     target = root / QUARANTINE / time.strftime("%Y%m%dT%H%M%S") / relative
     manifest = file.parent / MANIFEST
-    moves = [(file, target)] + ([(manifest, target.parent / MANIFEST)] if manifest.exists() else [])
+    # the manifest goes only with the file it lists: a stray file beside a good one leaves it in place
+    moves = [(file, target)] + ([(manifest, target.parent / MANIFEST)] if read_manifest(file) is not None else [])
     for source, destination in moves:
         if is_local(root):
             Path(destination).parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,8 @@ file (`index.html`, self-contained) last.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import hashlib
 import os
@@ -40,6 +42,9 @@ from updatelens.storage.integrity import MANIFEST, partition_error, quarantine, 
 from updatelens.storage.location import as_root, is_local, url
 
 STAGING = "_staging"
+# beside a `<pid>-<uuid>.old` folder moved out of its place (the two-rename fallback of staged_dir):
+# where it came from, so that an abandoned one is put back when nothing replaced it
+TARGET_SUFFIX = ".target"
 LOCKS = "_locks"
 PART_FILE = "part-0.parquet"
 ROW_GROUP_ROWS = 8192
@@ -47,7 +52,7 @@ ROW_GROUP_ROWS = 8192
 # this table (after its first row group reached the staging file, before the rename).
 KILL_MID_WRITE_ENV = "UPDATELENS_FAULT_KILL_MID_WRITE"
 KILL_BEFORE_MANIFEST_ENV = "UPDATELENS_FAULT_KILL_BEFORE_MANIFEST"  # data file complete, manifest not written
-KILL_MID_REPLACE_ENV = "UPDATELENS_FAULT_KILL_MID_REPLACE"  # old partition moved aside, new one not in place
+KILL_MID_REPLACE_ENV = "UPDATELENS_FAULT_KILL_MID_REPLACE"  # new partition in place, the old one not yet removed
 # Files committed last when a folder is published to an object store (readers open these first).
 ENTRY_FILES = ("index.html", PART_FILE, "run.parquet", MANIFEST)  # committed last, the manifest after its file
 # Object-store staging keys older than this are from a crashed writer (no pid to ask there).
@@ -87,19 +92,20 @@ class ParquetSink:
     with that table's schema). `close` fsyncs it. Fault injection: with $UPDATELENS_FAULT_KILL_MID_WRITE
     naming this table, the process is SIGKILLed once the first row group reached the file."""
 
-    def __init__(self, path: Path, table_name: str) -> None:
+    def __init__(self, path: Path, table_name: str, partition: tuple[str, int] | None = None) -> None:
         self.path = path
         self.table_name = table_name
         self.rows = 0
         self._writer: pq.ParquetWriter | None = None
         self._kill = os.environ.get(KILL_MID_WRITE_ENV) == table_name
-        self._provenance: dict[str, str] = {}
+        # the manifest names the partition it holds: verification compares it with the folder
+        self._provenance: dict[str, object] = {"model": partition[0], "layer": partition[1]} if partition else {}
 
     def write(self, table: pa.Table, row_group_rows: int = ROW_GROUP_ROWS) -> None:
         if self._writer is None:
             self._writer = pq.ParquetWriter(self.path, table.schema, compression="zstd")
-            self._provenance = {c: str(table[c][0].as_py()) for c in ("config_id", "code_version")
-                                if c in table.column_names and len(table)}
+            self._provenance |= {c: str(table[c][0].as_py()) for c in ("config_id", "code_version")
+                                 if c in table.column_names and len(table)}
         step = max(1, len(table) // 2) if self._kill else row_group_rows
         for batch in table.to_batches(max_chunksize=step):
             self._writer.write_batch(batch)
@@ -118,8 +124,8 @@ class ParquetSink:
         write_manifest(self.path, self.table_name, self.rows, self._provenance)
 
 
-def _write_parquet(table: pa.Table, path: Path, table_name: str) -> None:
-    sink = ParquetSink(path, table_name)
+def _write_parquet(table: pa.Table, path: Path, table_name: str, partition: tuple[str, int] | None = None) -> None:
+    sink = ParquetSink(path, table_name, partition)
     sink.write(table)
     sink.close()
 
@@ -140,21 +146,47 @@ def staged_dir(root: str | Path, final: str | Path) -> Iterator[Path]:
     try:
         yield Path(staging)
         final.parent.mkdir(parents=True, exist_ok=True)
-        old = None
-        if final.exists():
-            # judged where they stand: the run's staleness check has usually verified them already
-            damaged = {f.name: reason for f in Path(final).glob("*.parquet") if (reason := partition_error(f))}
+        if not final.exists():
+            os.rename(staging, final)
+            _fsync_dir(final.parent)
+            return
+        # judged where they stand: the run's staleness check has usually verified them already
+        damaged = {f.name: reason for f in Path(final).glob("*.parquet") if (reason := partition_error(f))}
+        if _exchange(staging, final):  # one atomic step: `staging` now holds the old folder
+            old = staging
+        else:  # two renames; a crash between them leaves `final` absent until clean_abandoned_staging
             old = root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
+            (old.parent / f"{old.name}{TARGET_SUFFIX}").write_text(str(final))
             os.rename(final, old)
             _fault(KILL_MID_REPLACE_ENV, final.parent.parent.name)
-        os.rename(staging, final)
+            os.rename(staging, final)
         _fsync_dir(final.parent)
-        if old is not None:
-            _keep_damaged(root, old, final, damaged)
-            shutil.rmtree(old, ignore_errors=True)
+        _fault(KILL_MID_REPLACE_ENV, final.parent.parent.name)
+        _keep_damaged(root, old, final, damaged)
+        shutil.rmtree(old, ignore_errors=True)
+        (old.parent / f"{old.name}{TARGET_SUFFIX}").unlink(missing_ok=True)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: UPath | Path, b: UPath | Path) -> bool:
+    """Swap two local paths in one atomic step (Linux renameat2 with RENAME_EXCHANGE), so a reader
+    of `b` always finds the old folder or the new one; False where the system or the filesystem
+    cannot (the caller then renames twice)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def _keep_damaged(root: UPath, old: UPath, final: UPath, damaged: dict[str, str]) -> None:
@@ -179,7 +211,7 @@ def partition_writer(root: str | Path, table_name: str, model: str, layer: int) 
     the block exits normally, and never appears if it fails. Memory: one batch at a time."""
     final = partition_dir(root, table_name, model, layer)
     with staged_dir(root, final) as staging:
-        sink = ParquetSink(staging / PART_FILE, table_name)
+        sink = ParquetSink(staging / PART_FILE, table_name, (model, layer))
         yield sink
         sink.close()
 
@@ -261,7 +293,7 @@ def read_seq_range(path: str | Path, lo: int, hi: int, columns: list[str] | None
 def write_partition(root: str | Path, table_name: str, model: str, layer: int, table: pa.Table) -> UPath:
     """Replace one partition whole; returns the final file path."""
     final = partition_dir(root, table_name, model, layer)
-    publish_dir(root, final, lambda staging: _write_parquet(table, staging / PART_FILE, table_name))
+    publish_dir(root, final, lambda staging: _write_parquet(table, staging / PART_FILE, table_name, (model, layer)))
     return final / PART_FILE
 
 
@@ -285,11 +317,21 @@ def clean_abandoned_staging(root: str | Path) -> list[str]:
                 fs.rm((staging / name).path, recursive=True)
                 removed.append(name)
         return removed
-    for entry in (root / STAGING).glob("*"):
+    for entry in sorted((root / STAGING).glob("*"), key=lambda p: p.name.endswith(TARGET_SUFFIX)):
         pid = entry.name.split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if not pid.isdigit() or _alive(int(pid)) or not (entry.exists() or entry.is_symlink()):
+            continue  # a live writer's, or a marker already handled with its folder
+        marker = entry.parent / f"{entry.name}{TARGET_SUFFIX}"
+        if marker.exists():  # a folder its writer moved aside and never replaced: put it back
+            target = Path(marker.read_text())
+            if not target.exists() and entry.exists():
+                os.rename(entry, target)
+            marker.unlink(missing_ok=True)
+        if entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry.name)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry.name)
     return removed
 
 
@@ -431,8 +473,9 @@ def sweep_runs_dir(root: str | Path, model: str) -> UPath:
     return as_root(root) / SWEEPS / "runs" / f"model={model}"
 
 
-def sweep_runs_pattern(root: str | Path) -> str:
-    return url(as_root(root) / SWEEPS / "runs") + f"/model=*/config=*/{SWEEP_RUN_FILE}"
+def sweep_runs_glob() -> str:
+    """The sweep records under a root, as a glob relative to it."""
+    return f"{SWEEPS}/runs/model=*/config=*/{SWEEP_RUN_FILE}"
 
 
 def has_sweep_runs(root: str | Path) -> bool:

@@ -53,7 +53,8 @@ def test_a_truncated_partition_is_left_out_named_quarantined_and_recomputed(
     assert main(["verify", "--data-root", lens.data_root, "--repair"]) == 1  # layer 1 is now incomplete
     out = capsys.readouterr().out
     assert "quarantined to" in out and f"incomplete: model={MODEL} layer=1: no residuals" in out
-    assert any("Layer 1 is incomplete (no residuals)" in n for n in build_model_report(lens.root, MODEL).notes)
+    assert any("Layer 1: its residuals partition is missing; the analysis tables of the layer are still shown" in n
+               for n in build_model_report(lens.root, MODEL).notes)
     kept = list((Path(lens.data_root) / QUARANTINE).rglob("part-0.parquet"))
     assert len(kept) == 1 and "residuals/model=tiny-llama/layer=1" in str(kept[0]) and not damaged.exists()
     assert (kept[0].parent / MANIFEST).exists()  # its manifest goes with it

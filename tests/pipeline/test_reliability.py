@@ -199,9 +199,9 @@ def test_sigkill_mid_write_leaves_nothing_partial_and_the_rerun_completes(zoo: P
 
 def test_sigkill_before_the_manifest_and_mid_replace_leave_only_verified_files(zoo: Path, tmp_path: Path) -> None:
     """Killed after a data file is complete but before its manifest: the partition never appears.
-    Killed while replacing a partition (the old one moved aside, the new one not yet in place): that
-    partition is absent, never half-old, and its layer is stale. Every file readers see verifies,
-    queries keep answering, and the next run completes."""
+    Killed while replacing a partition (the new one swapped in atomically, the old one not yet
+    removed): the new partition is whole, the old one left in staging until the next run cleans it.
+    Every file readers see verifies, queries keep answering, and the next run completes."""
     root = tmp_path / "data"
     args = ["run", "--registry", str(zoo), "--data-root", str(root), "--model", "tiny-gpt2", *SMALL]
     killed = cli(args, tmp_path / "home", {KILL_BEFORE_MANIFEST_ENV: "geometry"})
@@ -215,13 +215,15 @@ def test_sigkill_before_the_manifest_and_mid_replace_leave_only_verified_files(z
     replaced.communicate(timeout=300)
     assert replaced.returncode == -9
     layers = catalog.query(root, "SELECT DISTINCT layer FROM geometry ORDER BY layer")["layer"].to_list()
-    assert len(layers) == 2  # the partition being replaced is absent, the others whole
+    assert len(layers) == 3  # never absent: the old partition or the new one, whole
+    assert list((root / STAGING).iterdir())  # the old folder, left by the killed writer
     assert catalog.query(root, "SELECT count(*) AS n FROM damaged_partitions")["n"][0] == 0
     assert catalog.query(root, "SELECT count(*) AS n FROM residuals")["n"][0] == 3 * 2 * 6 * 15
     final = cli(args, tmp_path / "home")
     out, _ = final.communicate(timeout=300)
     assert final.returncode == 0, out
     assert catalog.query(root, "SELECT count(DISTINCT layer) AS n FROM geometry")["n"][0] == 3
+    assert not list((root / STAGING).iterdir())  # the abandoned folder was cleaned
     assert subprocess.run([sys.executable, "-m", "updatelens.orchestration.cli", "verify", "--data-root", str(root)],
                           cwd=REPO, capture_output=True).returncode == 0
 

@@ -46,8 +46,9 @@ def test_missing_partition_names_the_upstream(tmp_path: Path) -> None:
 
 
 def test_catalog_views_read_hive_partitions(tmp_path: Path) -> None:
-    write_partition(tmp_path, "activations", "a", 0, table(2, 1.0))
-    write_partition(tmp_path, "activations", "b", 1, table(3, 1.0).set_column(0, "model", pa.array(["b"] * 3)))
+    write_partition(tmp_path, "activations", "a", 0, table(2, 1.0).set_column(0, "model", pa.array(["a"] * 2)))
+    write_partition(tmp_path, "activations", "b", 1, table(3, 1.0).set_column(0, "model", pa.array(["b"] * 3))
+                    .set_column(1, "layer", pa.array([1] * 3, pa.int32())))
     views = catalog.refresh(tmp_path)
     assert views == ["activations", "damaged_partitions"]
     with duckdb.connect(str(catalog.catalog_path(tmp_path)), read_only=True) as con:
