@@ -11,7 +11,10 @@ before the fault (Parquet tables compared whole). The faults:
   an existing partition is being replaced (the product's fault-injection variables);
 - a full disk: the data root on a small tmpfs (needs root; otherwise recorded as not run) filled by
   another writer while a run is going;
-- two runs on the same model and root at once.
+- two runs on the same model and root at once;
+- a partition replaced by its neighbour layer's (file and manifest), a stray valid file beside a
+  partition, the token text deleted, the catalog cut to 100 bytes, a killed writer's staging folder;
+- and, on a fresh root, each bad input to `run`: its message and whether anything was created.
 
 It also times `verify_root` over the whole root (what every run and view refresh pays) against
 the pipeline time given with --pipeline-s.
@@ -180,14 +183,117 @@ class Drill:
         if rc != -9:
             outcome.notes.append(f"the run was not killed (exit {rc}): {out[-500:]}")
         vrc, vout = self.verify()
-        if env == KILL_MID_REPLACE_ENV:  # the partition being replaced is absent: its layer is incomplete
-            self.detect(outcome, table)
-        else:  # the kill left only a staging file: every visible file verifies and is the old one
-            outcome.detected = vrc == 0 and self.identical()[0]
-            outcome.detection = "nothing visible changed; verify exits 0" if outcome.detected else vout[-300:]
+        # the kill left only staging folders: every visible file verifies and equals the one from before
+        # (mid-replace: the new partition was swapped in whole, the old one not yet removed)
+        outcome.detected = vrc == 0 and self.identical()[0]
+        outcome.detection = "nothing visible changed; verify exits 0" if outcome.detected else vout[-300:]
         self.others(outcome, table)
-        self.repair(outcome, *(() if env == KILL_MID_REPLACE_ENV else ("--force",)))
+        self.repair(outcome, "--force")
         return outcome
+
+    # ---- faults of placement, the catalog and the text (issue "Nothing wrong is ever served") ---
+    def misplaced(self, table: str = "activations") -> Outcome:
+        """The target layer's folder replaced by its neighbour's (data file and manifest, internally
+        consistent): the views must not label the neighbour's rows as the target's."""
+        outcome = Outcome("misplaced partition", table)
+        source = self.file(table, self.layers[0] if self.target != self.layers[0] else self.layers[-1]).parent
+        shutil.rmtree(self.file(table).parent)
+        shutil.copytree(source, self.file(table).parent)
+        self.detect(outcome, table)
+        served = catalog.query(self.root, f"SELECT count(*) AS n FROM {table} WHERE model = ? AND layer = ?",
+                               [self.model, self.target])["n"][0]
+        if served:
+            outcome.notes.append(f"{served} rows served as layer {self.target}")
+            outcome.detected = False
+        self.others(outcome, table)
+        self.repair(outcome)
+        return outcome
+
+    def stray(self, table: str = "geometry") -> Outcome:
+        """A valid file of another layer dropped beside the target's partition as part-1.parquet."""
+        outcome = Outcome("stray file", table)
+        neighbour = self.file(table, self.layers[0] if self.target != self.layers[0] else self.layers[-1])
+        shutil.copy(neighbour, self.file(table).parent / "part-1.parquet")
+        self.detect(outcome, table)
+        self.others(outcome, table)
+        self.repair(outcome)
+        left = sorted(p.name for p in self.file(table).parent.iterdir())
+        if left != ["manifest.json", "part-0.parquet"]:
+            outcome.notes.append(f"the partition folder holds {left} after the repair")
+        return outcome
+
+    def missing_text(self) -> Outcome:
+        """The target layer's `tokens` partition deleted: the text columns of two views would be NULL."""
+        outcome = Outcome("tokens deleted", "tokens")
+        shutil.rmtree(self.file("tokens").parent)
+        self.detect(outcome, "tokens")
+        listed = catalog.query(self.root, "SELECT reason FROM damaged_partitions WHERE table_name = 'tokens' "
+                                          "AND layer = ?", [self.target])
+        if listed.is_empty():
+            outcome.notes.append("damaged_partitions does not list the missing tokens")
+            outcome.detected = False
+        else:
+            outcome.detection += f"; damaged_partitions: {listed['reason'][0]}"
+        self.others(outcome, "tokens")
+        self.repair(outcome)
+        return outcome
+
+    def broken_catalog(self) -> Outcome:
+        """updatelens.duckdb cut to 100 bytes: verify names it, the next run rebuilds it."""
+        import duckdb
+
+        outcome = Outcome("catalog cut to 100 bytes", "updatelens.duckdb")
+        db = self.root / catalog.CATALOG_FILE
+        with db.open("r+b") as handle:
+            handle.truncate(100)
+        rc, out = self.verify()
+        named = [line for line in out.splitlines() if "catalog" in line and "damaged" in line]
+        outcome.detected = rc == 1 and bool(named)
+        outcome.detection = named[0].strip() if named else out[-300:]
+        self.others(outcome, "geometry")
+        self.repair(outcome, "--force")  # a run that recomputes: it refreshes the catalog
+        try:
+            with duckdb.connect(str(db), read_only=True) as con:
+                con.execute("SELECT count(*) FROM geometry").fetchone()
+        except duckdb.Error as exc:
+            outcome.notes.append(f"the catalog still does not open: {exc}")
+            outcome.identical = False
+        return outcome
+
+    def abandoned_staging(self) -> Outcome:
+        """A killed writer's staging folder (a pid that is gone) with a half-written file."""
+        outcome = Outcome("abandoned staging", STAGING)
+        folder = self.root / STAGING / f"{2**22 + 4242}-drill"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "part-0.parquet").write_bytes(b"PAR1 half written")
+        outcome.detected = self.verify()[0] == 0  # invisible to readers
+        outcome.detection = "invisible to verify and the views"
+        self.others(outcome, "geometry")
+        self.repair(outcome)  # `run` cleans it even when every partition is up to date
+        if folder.exists():
+            outcome.notes.append("the abandoned folder is still there")
+            outcome.identical = False
+        return outcome
+
+
+BAD_INPUTS = (["--layers", "4-3"], ["--layers", "4-3,7"], ["--layers", ""], ["--layers", "99"],
+              ["--set", "nosuchfield=1"], ["--set", "k=abc"], ["--set", "classes=lowrank"])
+
+
+def bad_inputs(drill: Drill) -> list[dict[str, object]]:
+    """Each bad input to `run`, on a fresh root: its exit code, its message, whether anything was created."""
+    records = []
+    for args in BAD_INPUTS:
+        root = drill.root.parent / f"{drill.root.name}-bad-input"
+        shutil.rmtree(root, ignore_errors=True)
+        env = dict(os.environ, DAGSTER_HOME=str(root / "home"), HF_HUB_OFFLINE="1")
+        cmd = [sys.executable, "-m", "updatelens.orchestration.cli", "run", "--model", drill.model, *args,
+               "--data-root", str(root)]
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        records.append({"input": " ".join(a if a else "''" for a in args), "exit": done.returncode,
+                        "message": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "",
+                        "created": root.exists()})
+    return records
 
     def full_disk(self) -> Outcome:
         """Another writer fills the file system while a run rewrites the target layer."""
@@ -274,18 +380,23 @@ def main() -> int:
     parser.add_argument("--layers", default="6-8", help="a range FIRST-LAST of stored layers the drill works on")
     parser.add_argument("--target", type=int, default=7, help="the layer that takes the faults")
     parser.add_argument("--pipeline-s", type=float, help="the root's pipeline time, for the verification overhead")
-    parser.add_argument("--only", help="comma-separated subset: overhead, files, kills, disk, concurrent")
+    parser.add_argument("--only", help="comma-separated subset: overhead, inputs, files, kills, placement, disk, "
+                                       "concurrent")
     args, extra = parser.parse_known_args()  # anything else (--registry, --set, ...) goes to `updatelens run`
     first, _, last = args.layers.partition("-")
     layers = list(range(int(first), int(last or first) + 1))
     drill = Drill(args.data_root.resolve(), args.model, layers, args.target, extra)
-    only = set((args.only or "overhead,files,kills,disk,concurrent").split(","))
+    only = set((args.only or "overhead,inputs,files,kills,placement,disk,concurrent").split(","))
     drill.snapshot()
     record: dict[str, object] = {"model": args.model, "layers": layers, "target": args.target}
     if "overhead" in only:
         record["verify_overhead"] = verify_overhead(drill.root, args.pipeline_s)
         print(f"verify_root over the whole root: {record['verify_overhead']}", flush=True)
         args.out.write_text(json.dumps(record, indent=1))
+    if "inputs" in only:
+        record["bad_inputs"] = bad_inputs(drill)
+        for item in record["bad_inputs"]:  # type: ignore[union-attr]
+            print(f"bad input {item['input']!r}: exit {item['exit']}, created {item['created']}: {item['message']}")
     outcomes: list[Outcome] = []
 
     def done(outcome: Outcome) -> None:
@@ -303,6 +414,12 @@ def main() -> int:
         done(drill.kill("SIGKILL mid-write", KILL_MID_WRITE_ENV))
         done(drill.kill("SIGKILL before manifest", KILL_BEFORE_MANIFEST_ENV))
         done(drill.kill("SIGKILL mid-replace", KILL_MID_REPLACE_ENV))
+    if "placement" in only:
+        done(drill.misplaced())
+        done(drill.stray())
+        done(drill.missing_text())
+        done(drill.broken_catalog())
+        done(drill.abandoned_staging())
     if "disk" in only:
         if shutil.disk_usage(drill.root).total > 8 << 30:
             print("full disk: not run (the data root is not on a small file system; see --help)")
