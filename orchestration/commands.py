@@ -34,6 +34,14 @@ ORDER BY layer, fn_class
 """
 
 
+FINDINGS_SQL = """
+SELECT model, config_id, finding, fn_class, round(value, 3) AS value, round(ci_lo, 3) AS ci_lo, round(ci_hi, 3) AS ci_hi,
+       threshold, round(null_value, 3) AS null, round(null_ci_lo, 3) AS null_lo, round(null_ci_hi, 3) AS null_hi,
+       coalesce(verdict, CASE WHEN note IS NOT NULL THEN 'not measured' END) AS verdict
+FROM findings WHERE list_contains($1, model) ORDER BY model, config_id, finding
+"""
+
+
 def _parse_layers(text: str | None) -> list[int] | None:
     """"3-7", "0,15,29" or "3-7,10" -> sorted layers; None when not given. ValueError naming the bad
     part: an empty list, a part that is no layer, a reversed range."""
@@ -194,10 +202,9 @@ def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterIn
             print(f"updatelens: the report failed: {failure_message(result)}", file=sys.stderr)
             return 1
     base = reports_root(lens.root)
-    print("\nFindings (SQL view findings):")
-    print_frame(lens.store.query("SELECT model, config_id, finding, fn_class, round(value, 3) AS value, threshold, "
-                                 "holds FROM findings WHERE list_contains($1, model) ORDER BY model, config_id, finding",
-                                 [list(models)]))
+    print("\nFindings (SQL view findings; the null: the same measure without the claimed structure, "
+          "docs/method.md):")
+    print_frame(lens.store.query(FINDINGS_SQL, [list(models)]))
     for model in models:
         print(f"report: {base / model / 'index.html'}")
     print(f"comparison across models: {base / COMPARISON / 'index.html'}")

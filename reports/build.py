@@ -117,7 +117,8 @@ body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1500px; 
 table { border-collapse: collapse; margin: 1em 0; font-size: 13px; }
 th, td { border: 1px solid #ccc; padding: 3px 7px; text-align: left; }
 th { background: #f3f3f3; }
-td.yes { background: #e3f4e3; } td.no { background: #fbe4e4; } td.flip { font-weight: bold; }
+td.yes, td.holds { background: #e3f4e3; } td.no, td.fails { background: #fbe4e4; } td.flip { font-weight: bold; }
+td.indistinct { background: #fff1cc; } td.undecided { background: #eeeeee; }
 img { max-width: 100%; border: 1px solid #eee; }
 figcaption { font-size: 13px; color: #555; margin-bottom: 1.5em; }
 code, pre { background: #f6f6f6; font-size: 12px; }
@@ -135,13 +136,21 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-def html_table(frame: pl.DataFrame, verdict_columns: tuple[str, ...] = ("holds",)) -> str:
+VERDICTS = ("holds", "fails", "undecided", "indistinct")
+
+
+def html_table(frame: pl.DataFrame, verdict_columns: tuple[str, ...] = ("holds", "verdict")) -> str:
+    """A table; a verdict column's cells are coloured (a boolean: yes/no; a verdict: its own colour)."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in frame.columns)
     rows = []
     for row in frame.iter_rows(named=True):
         cells = []
         for column, value in row.items():
-            cls = f' class="{"yes" if value else "no"}"' if column in verdict_columns and isinstance(value, bool) else ""
+            cls = ""
+            if column in verdict_columns and isinstance(value, bool):
+                cls = ' class="yes"' if value else ' class="no"'
+            elif column in verdict_columns and value in VERDICTS:
+                cls = f' class="{value}"'
             cells.append(f"<td{cls}>{html.escape(_cell(value))}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
@@ -210,8 +219,9 @@ def build_model_report(root: Path, model: str) -> Report:
                              f"AND variant = 'patch'", params)
         spectra = _frame(con, f"SELECT layer, fn_class, which, idx, cum_energy FROM spectra WHERE {where} AND {in_picks}",
                          params)
-        findings = _frame(con, f"SELECT finding, statement, measure, fn_class, value, ci_lo, ci_hi, threshold, holds, "
-                               f"verdict FROM findings WHERE {where} ORDER BY finding", params)
+        findings = _frame(con, f"SELECT finding, statement, fn_class, value, ci_lo, ci_hi, threshold, null_value, "
+                               f"null_ci_lo, null_ci_hi, verdict, layers, note, measure, null_source FROM findings "
+                               f"WHERE {where} ORDER BY finding", params)
         converged = (_frame(con, "SELECT * FROM convergence WHERE model = ?", [model])
                      if "convergence" in views else pl.DataFrame())
         sensitivity, swept_layers = None, ""
@@ -263,9 +273,11 @@ def build_model_report(root: Path, model: str) -> Report:
             "".join(f"<p><i>{html.escape(n)}</i></p>" for n in notes),
             "<h2>Findings</h2><p>Each of the paper's findings (docs/method.md in the repository) measured on this model, on the class with "
             "the lowest median relative error, with the threshold that decides whether it holds, its 95% bootstrap "
-            "interval over sequences (<code>ci_lo</code>, <code>ci_hi</code>) and the verdict the interval "
-            "supports: <b>holds</b> or <b>fails</b> when the whole interval is on one side of the threshold, "
-            "<b>undecided</b> when it straddles it. SQL: "
+            "interval (<code>ci_lo</code>, <code>ci_hi</code>), and its null: what the same measure gives where "
+            "the claimed structure is absent (<code>null_source</code>), with its own interval. The verdict: "
+            "<b>fails</b> when the whole interval misses the threshold, <b>undecided</b> when it straddles it, "
+            "<b>holds</b> when it clears the threshold and beats the null (the difference's interval excludes zero), "
+            "<b>indistinct</b> when it clears the threshold but not the null: noise would pass too. SQL: "
             f"<code>SELECT * FROM findings WHERE model = '{html.escape(model)}'</code> (view definition below).</p>"
             + html_table(findings),
         ]
@@ -300,11 +312,20 @@ def build_model_report(root: Path, model: str) -> Report:
 
 
 # ---- comparison ---------------------------------------------------------------------------------
+def _interval(lo: str, hi: str) -> pl.Expr:
+    return pl.when(pl.col(lo).is_not_null()).then(
+        pl.lit(" [") + pl.col(lo).round(3).cast(pl.String) + pl.lit(", ") + pl.col(hi).round(3).cast(pl.String)
+        + pl.lit("]")).otherwise(pl.lit(""))
+
+
 def findings_pivot(findings: pl.DataFrame) -> pl.DataFrame:
-    """finding x model: the value with ✓ (holds) or ✗."""
+    """finding x model: the value with its interval, the null with its interval, and the verdict."""
+    verdict = pl.col("verdict").fill_null(
+        pl.when(pl.col("note").is_not_null()).then(pl.lit("not measured")).otherwise(pl.lit("no interval")))
     cells = findings.with_columns(
-        cell=pl.col("value").round(3).cast(pl.String)
-        + pl.when(pl.col("holds")).then(pl.lit(" ✓")).otherwise(pl.lit(" ✗")))
+        cell=pl.col("value").round(3).cast(pl.String).fill_null("—") + _interval("ci_lo", "ci_hi")
+        + pl.lit("; null ") + pl.col("null_value").round(3).cast(pl.String).fill_null("—")
+        + _interval("null_ci_lo", "null_ci_hi") + pl.lit(": ") + verdict)
     thresholds = findings.group_by("finding").agg(pl.col("threshold").first(), pl.col("statement").first())
     pivot = cells.pivot(on="model", index="finding", values="cell", aggregate_function="first")
     return thresholds.join(pivot, on="finding").sort("finding")
@@ -329,16 +350,17 @@ def build_comparison(root: Path) -> Report:
             finding_parts.append(findings)
     if not parts:
         raise ReportError(f"no model under {root} has findings yet (all five stages are needed)")
-    summary = pl.concat(parts, how="diagonal_relaxed").with_columns(
-        depth=pl.col("layer") / pl.max_horizontal(pl.col("layer").max().over("model"), pl.lit(1)))
+    summary = pl.concat(parts, how="diagonal_relaxed").with_columns(  # the model's real depth, whatever was analysed
+        depth=pl.col("layer") / pl.max_horizontal(pl.col("model_layers") - 1, pl.lit(1)))
     findings = pl.concat(finding_parts, how="diagonal_relaxed")
     title = f"UpdateLens comparison: {len(parts)} model(s)"
 
     def fill(staging: Path) -> None:
         _png(fig.comparison_curves(summary, "per-layer curves on normalised depth"), staging / "comparison_curves.png")
         sections = [
-            "<h2>Findings by model</h2><p>Value and verdict (✓ holds, ✗ does not) of each finding, per model, on "
-            "its best class. SQL: <code>SELECT * FROM findings</code>.</p>" + html_table(findings_pivot(findings), ()),
+            "<h2>Findings by model</h2><p>Each finding per model, on its best class: value [95% interval]; its null "
+            "[interval]: verdict (holds, fails, undecided, or indistinct from its null). SQL: "
+            "<code>SELECT * FROM findings</code>.</p>" + html_table(findings_pivot(findings), ()),
             "<h2>Figures</h2>" + "".join(_figure_section(name, caption, staging / f"{name}.png")
                                          for name, caption in COMPARISON_FIGURES.items()),
             "<h2>Models</h2>" + html_table(findings.group_by("model", "config_id", "fn_class").agg().sort("model")),

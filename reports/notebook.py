@@ -39,10 +39,13 @@ def _(mo, models):
 @app.cell
 def _(catalog, mo, model, root):
     findings = catalog.query(root, "SELECT finding, fn_class, round(value, 3) AS value, round(ci_lo, 3) AS ci_lo, "
-                                   "round(ci_hi, 3) AS ci_hi, threshold, verdict, measure FROM findings "
-                                   "WHERE model = $1 ORDER BY finding", [model.value])
+                                   "round(ci_hi, 3) AS ci_hi, threshold, round(null_value, 3) AS null, "
+                                   "round(null_ci_lo, 3) AS null_lo, round(null_ci_hi, 3) AS null_hi, verdict, measure, "
+                                   "null_source FROM findings WHERE model = $1 ORDER BY finding", [model.value])
     mo.vstack([mo.md("## Do the paper's claims hold?\nEach finding on the best class, with its 95 % "
-                     "bootstrap interval over sequences (`undecided`: the interval straddles the threshold)."),
+                     "bootstrap interval, and its null: what the same measure gives without the claimed structure "
+                     "(`undecided`: the interval straddles the threshold; `indistinct`: it clears the threshold "
+                     "but not the null)."),
                mo.ui.table(findings, selection=None)])
     return (findings,)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
+from updatelens.bootstrap import GEOMETRY_STATISTICS
 from updatelens.findings import FINDINGS, STATISTICS, Finding
 from updatelens.storage.integrity import QUARANTINE, Damaged, scan
 from updatelens.stages import SWEEP_TABLES, TABLES
@@ -52,7 +53,13 @@ SELECT model, layer, fn_class, config_id,
        avg(proj_full_m16) AS proj_full_m16,
        avg(proj_tok_m16) AS proj_tok_m16,
        avg(proj_res_m16) AS proj_res_m16,
-       any_value(m90_tok) AS m90_tok
+       any_value(m90_tok) AS m90_tok,
+       any_value(model_layers) AS model_layers,
+       median(cos_full_tok_null) AS cos_full_tok_median_null,
+       median(cos_full_tok_map_null) AS cos_full_tok_map_median_null,
+       avg(CASE WHEN angle_full_res_null > 60 THEN 1.0 ELSE 0.0 END) AS frac_res_angle_gt60_null,
+       avg(CASE WHEN angle_tok_res_null > 60 THEN 1.0 ELSE 0.0 END) AS frac_res_tok_angle_gt60_null,
+       avg(proj_null_m16) AS proj_res_m16_null
 FROM {geometry}
 GROUP BY model, layer, fn_class, config_id
 """
@@ -64,13 +71,16 @@ SELECT model, layer, fn_class, config_id,
        max(CASE WHEN variant = 'patch' THEN spearman_relerr_kl END) AS spearman_relerr_kl,
        max(CASE WHEN variant = 'patch' THEN spearman_normres_kl END) AS spearman_normres_kl,
        max(CASE WHEN variant = 'random' THEN kl_mean END) AS kl_mean_random_control,
-       max(CASE WHEN variant = 'crude' THEN kl_mean END) AS kl_mean_crude_control
+       max(CASE WHEN variant = 'crude' THEN kl_mean END) AS kl_mean_crude_control,
+       max(CASE WHEN variant = 'random' THEN spearman_relerr_kl END) AS spearman_relerr_kl_null,
+       max(CASE WHEN variant = 'random' THEN spearman_normres_kl END) AS spearman_normres_kl_null
 FROM {functional_summary}
 GROUP BY model, layer, fn_class, config_id
 """
 
 FUNCTIONAL_COLUMNS = ("kl_mean", "kl_median", "spearman_relerr_kl", "spearman_normres_kl",
-                      "kl_mean_random_control", "kl_mean_crude_control")
+                      "kl_mean_random_control", "kl_mean_crude_control", "spearman_relerr_kl_null",
+                      "spearman_normres_kl_null")
 
 # Findings measured under another convention of docs/method.md than the main one:
 # (finding id, the finding it re-measures, the convention, its setting here, the main setting).
@@ -89,23 +99,25 @@ ALTERNATIVE_MEASURES = (
 # is on one side of the threshold, 'undecided' when it straddles it, NULL without resamples.
 # `findings` keeps the class with the lowest median relative error.
 POINT_STATS_SQL = """
-SELECT ls.model, ls.config_id, ls.fn_class, ls.layer, -1 AS replicate,
-       {columns}, r.rank_full, r.rank_tok, r.rank_res
+SELECT ls.model, ls.config_id, ls.fn_class, ls.layer, -1 AS replicate, ls.model_layers,
+       {columns}, r.rank_full, r.rank_tok, r.rank_res, r.rank_full_null, r.rank_res_null
 FROM {layer_summary} ls LEFT JOIN (
     SELECT model, layer, config_id, fn_class,
            any_value(CASE WHEN which = 'full' THEN effective_rank END) AS rank_full,
            any_value(CASE WHEN which = 'tok' THEN effective_rank END) AS rank_tok,
-           any_value(CASE WHEN which = 'res' THEN effective_rank END) AS rank_res
+           any_value(CASE WHEN which = 'res' THEN effective_rank END) AS rank_res,
+           any_value(CASE WHEN which = 'full_null' THEN effective_rank END) AS rank_full_null,
+           any_value(CASE WHEN which = 'res_null' THEN effective_rank END) AS rank_res_null
     FROM {spectra} GROUP BY model, layer, config_id, fn_class
 ) r USING (model, layer, config_id, fn_class)
 """
 
 LAYER_REPLICATES_SQL = """
 CREATE OR REPLACE VIEW {name} AS
-SELECT g.model, g.config_id, g.fn_class, g.layer, g.replicate,
-       g.rel_err_median, g.cos_full_tok_median, g.cos_full_tok_map_median, g.frac_res_angle_gt60,
-       g.frac_res_tok_angle_gt60, g.proj_res_m16, f.spearman_relerr_kl, f.spearman_normres_kl,
-       g.rank_full, g.rank_tok, g.rank_res
+SELECT g.model, g.config_id, g.fn_class, g.layer, g.replicate, g.model_layers,
+       {geometry_columns}, f.spearman_relerr_kl, f.spearman_normres_kl,
+       f.spearman_relerr_kl_null, f.spearman_normres_kl_null,
+       g.rank_full, g.rank_tok, g.rank_res, g.rank_full_null, g.rank_res_null
 FROM {geometry_bootstrap} g LEFT JOIN {functional_bootstrap} f USING (model, layer, config_id, fn_class, replicate)
 """
 
@@ -113,27 +125,45 @@ FINDINGS_BY_CLASS_SQL = """
 CREATE OR REPLACE VIEW {name} AS
 WITH stats AS ({stats}),
 b AS (
-    SELECT stats.*, max(layer) OVER (PARTITION BY model, config_id, replicate) + 1 AS n_layers FROM stats
+    SELECT stats.*,
+           max(model_layers) OVER (PARTITION BY model, config_id) AS n_layers,
+           -- finding 6's null: the depth labels of the analysed layers in a random order, one order per
+           -- replicate (deterministic: ordered by a hash of the layer and the replicate)
+           list_sort(list(layer) OVER w)[row_number() OVER (w ORDER BY hash(layer, replicate, 'perm'))] AS perm_layer
+    FROM stats
+    WINDOW w AS (PARTITION BY model, config_id, fn_class, replicate)
 ), f AS (
 {findings}
 ), summary AS (
     SELECT model, config_id, fn_class, finding, any_value(statement) AS statement, any_value(measure) AS measure,
            any_value(threshold) AS threshold, any_value(op) AS op, any_value(bound) AS bound,
-           any_value(threshold_source) AS threshold_source,
+           any_value(threshold_source) AS threshold_source, any_value(null_source) AS null_source,
+           any_value(layers) FILTER (WHERE replicate = -1) AS layers, any_value(n_layers) AS n_layers,
+           any_value(note) FILTER (WHERE replicate = -1) AS note,
            max(value) FILTER (WHERE replicate = -1) AS value,
            quantile_cont(value, 0.025) FILTER (WHERE replicate >= 0) AS ci_lo,
            quantile_cont(value, 0.975) FILTER (WHERE replicate >= 0) AS ci_hi,
+           coalesce(median(null_value) FILTER (WHERE replicate >= 0),
+                    max(null_value) FILTER (WHERE replicate = -1)) AS null_value,
+           quantile_cont(null_value, 0.025) FILTER (WHERE replicate >= 0) AS null_ci_lo,
+           quantile_cont(null_value, 0.975) FILTER (WHERE replicate >= 0) AS null_ci_hi,
+           -- the finding against its null, resample by resample (the same resample for both)
+           quantile_cont(value - null_value, 0.025) FILTER (WHERE replicate >= 0) AS diff_ci_lo,
+           quantile_cont(value - null_value, 0.975) FILTER (WHERE replicate >= 0) AS diff_ci_hi,
            count(value) FILTER (WHERE replicate >= 0) AS n_resamples
     FROM f GROUP BY model, config_id, fn_class, finding
 )
 SELECT model, config_id, fn_class, finding, statement, measure, value, threshold,
-       CASE op WHEN '>=' THEN value >= bound ELSE value <= bound END AS holds,
-       ci_lo, ci_hi, n_resamples,
+       CASE op WHEN '>=' THEN value >= bound AND value > null_value
+               ELSE value <= bound AND value < null_value END AS holds,
+       ci_lo, ci_hi, null_value, null_ci_lo, null_ci_hi, diff_ci_lo, diff_ci_hi, n_resamples,
        CASE WHEN ci_lo IS NULL OR ci_hi IS NULL THEN NULL
-            WHEN (op = '>=' AND ci_lo >= bound) OR (op = '<=' AND ci_hi <= bound) THEN 'holds'
             WHEN (op = '>=' AND ci_hi < bound) OR (op = '<=' AND ci_lo > bound) THEN 'fails'
-            ELSE 'undecided' END AS verdict,
-       threshold_source
+            WHEN NOT ((op = '>=' AND ci_lo >= bound) OR (op = '<=' AND ci_hi <= bound)) THEN 'undecided'
+            WHEN diff_ci_lo IS NULL OR diff_ci_hi IS NULL THEN 'undecided'
+            WHEN (op = '>=' AND diff_ci_lo > 0) OR (op = '<=' AND diff_ci_hi < 0) THEN 'holds'
+            ELSE 'indistinct' END AS verdict,
+       threshold_source, null_source, layers, n_layers, note
 FROM summary
 ORDER BY model, config_id, fn_class, finding
 """
@@ -270,19 +300,27 @@ def layer_summary_sql(has_functional: bool, prefix: str = "") -> str:
 
 
 def _finding_select(f: Finding) -> str:
-    """One finding's rows over `b` (the per-layer statistics with n_layers): one per (model, config,
-    replicate, class)."""
+    """One finding's rows over `b` (the per-layer statistics with n_layers, the model's depth, and
+    perm_layer): one per (model, config, replicate, class), with the value and its null. A finding
+    that aggregates over layers is NULL, with a note, where its layers are too few (Finding.coverage)."""
     constants = (f"{_sql_string(f.id)} AS finding, {_sql_string(f.claim)} AS statement, "
                  f"{_sql_string(f.measure)} AS measure, {_sql_string(f.threshold)} AS threshold, "
                  f"{_sql_string(f.op)} AS op, CAST({f.bound!r} AS DOUBLE) AS bound, "
-                 f"{_sql_string(f.source)} AS threshold_source")
+                 f"{_sql_string(f.source)} AS threshold_source, {_sql_string(f.null_source)} AS null_source")
+    covered = f"({f.coverage})"
+    note = (f"CASE WHEN NOT {covered} THEN {_sql_string(f.coverage_note)} || ' (layers analysed: ' || "
+            f"array_to_string(list_sort(list(DISTINCT layer)), ',') || ' of ' || any_value(n_layers) || ')' END")
+    measured = (f"CASE WHEN {covered} THEN {f.value} END AS value, CASE WHEN {covered} THEN {f.null} END AS null_value, "
+                f"array_to_string(list_sort(list(DISTINCT layer)), ',') AS layers, any_value(n_layers) AS n_layers, "
+                f"{note} AS note")
     if f.scope == "class":
-        return (f"    SELECT model, config_id, replicate, fn_class, {constants}, {f.value} AS value\n"
+        return (f"    SELECT model, config_id, replicate, fn_class, {constants}, {measured}\n"
                 f"    FROM b GROUP BY model, config_id, replicate, fn_class")
-    return (f"    SELECT c.model, c.config_id, c.replicate, c.fn_class, {constants}, m.value\n"
-            f"    FROM (SELECT model, config_id, replicate, {f.value} AS value FROM b GROUP BY model, config_id, replicate) m\n"
+    return (f"    SELECT c.model, c.config_id, c.replicate, c.fn_class, {constants}, m.value, m.null_value, m.layers,\n"
+            f"           m.n_layers, m.note\n"
+            f"    FROM (SELECT model, config_id, replicate, {measured} FROM b GROUP BY model, config_id, replicate) m\n"
             f"    JOIN (SELECT DISTINCT model, config_id, replicate, fn_class FROM b) c USING (model, config_id, replicate)\n"
-            f"    WHERE m.value IS NOT NULL")
+            f"    WHERE m.value IS NOT NULL OR m.note IS NOT NULL")
 
 
 def findings_select() -> str:
@@ -297,6 +335,7 @@ def findings_sql(prefix: str = "", with_replicates: bool = False) -> list[str]:
     statements = []
     if with_replicates:
         statements.append(LAYER_REPLICATES_SQL.format(name=f"{prefix}layer_replicates",
+                                                      geometry_columns=", ".join(f"g.{c}" for c in GEOMETRY_STATISTICS),
                                                       geometry_bootstrap=f"{prefix}geometry_bootstrap",
                                                       functional_bootstrap=f"{prefix}functional_bootstrap"))
         stats += f" UNION ALL BY NAME SELECT * FROM {prefix}layer_replicates"

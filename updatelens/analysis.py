@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from updatelens.bootstrap import (
+    TOKEN_STATISTICS,
     geometry_replicates,
     gram_effective_ranks,
     replicate_counts,
@@ -30,6 +31,8 @@ from updatelens.fits import LayerFit, fit_layer
 from updatelens.geometry import (
     Subspace,
     decompose,
+    null_metrics,
+    null_residual,
     projection_metrics,
     spectrum_from_gram,
     subspace_from_gram,
@@ -50,7 +53,7 @@ from updatelens.tables import Provenance, to_matrix, vector_column, with_provena
 
 
 def provenance(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig) -> Provenance:
-    return Provenance.of(lm.slug, lm.revision, sample.corpus, sample.slice_desc, cfg)
+    return Provenance.of(lm.slug, lm.revision, sample.corpus, sample.slice_desc, cfg, lm.n_layers)
 
 
 # ---- stage 1: activations -----------------------------------------------------------------------
@@ -279,6 +282,10 @@ def residuals_table(data: LayerData, fits: dict[str, LayerFit], prov: Provenance
 
 # ---- stage 4: geometry --------------------------------------------------------------------------
 WHICH = ("full", "tok", "res")
+# the spectra of the null (docs/method.md, "Nulls"): Δ_full and r when each residual keeps its length
+# but points in a random direction (the random control's direction)
+NULL_WHICH = ("full_null", "res_null")
+NULL_M = 16  # the tokenwise subspace of finding "2 projection"
 
 
 class LayerGeometry:
@@ -292,8 +299,8 @@ class LayerGeometry:
         self.cfg = cfg
         self.counts = replicate_counts(cfg.n_seq, cfg.bootstrap, cfg.seed)
         self.n_spec = min(cfg.bootstrap_spectra, cfg.bootstrap)
-        self.grams = {(c, w): np.zeros((d, d)) for c in classes for w in WHICH}
-        self.replicate_grams = {(c, w): np.zeros((self.n_spec, d, d)) for c in classes for w in WHICH}
+        self.grams = {(c, w): np.zeros((d, d)) for c in classes for w in WHICH + NULL_WHICH}
+        self.replicate_grams = {(c, w): np.zeros((self.n_spec, d, d)) for c in classes for w in WHICH + NULL_WHICH}
         self.n_rows = 0
         self.subspaces: dict[str, Subspace] = {}
         self.scalars: dict[str, list[dict[str, np.ndarray]]] = {c: [] for c in classes}
@@ -301,9 +308,12 @@ class LayerGeometry:
     def accumulate(self, data: LayerData, fits: dict[str, LayerFit]) -> None:
         seq = data.seq
         self.n_rows += len(seq)
+        directions = random_directions(data, self.cfg.seed)
         for fn_class, fit in fits.items():
             dec = decompose(data.x, data.y, fit.tx)
-            for which, v in zip(WHICH, (dec.delta_full, dec.delta_tok, dec.residual)):
+            null = null_residual(dec, directions)
+            for which, v in zip(WHICH + NULL_WHICH, (dec.delta_full, dec.delta_tok, dec.residual,
+                                                     null.delta_full, null.residual)):
                 self.grams[(fn_class, which)] += v.T @ v
                 if self.n_spec:
                     self.replicate_grams[(fn_class, which)] += replicate_grams(v, seq, self.counts[: self.n_spec])
@@ -314,11 +324,13 @@ class LayerGeometry:
 
     def token_table(self, data: LayerData, fits: dict[str, LayerFit], prov: Provenance) -> pa.Table:
         parts = []
+        directions = random_directions(data, self.cfg.seed)
         for fn_class, fit in fits.items():
             sub = self.subspaces[fn_class]
             dec = decompose(data.x, data.y, fit.tx)
             metrics = token_metrics(data.x, data.y, fit.tx, dec)
             metrics.update(projection_metrics(dec, sub, self.cfg.subspace_ms))
+            metrics.update(null_metrics(dec, data.x, directions, sub, NULL_M))
             n = len(fit.tx)
             cols: dict[str, pa.Array] = {
                 "fn_class": pa.array([fn_class] * n),
@@ -331,8 +343,7 @@ class LayerGeometry:
                 cols[key] = pa.array(values, pa.float64())
             cols["m90_tok"] = pa.array([sub.m_energy] * n, pa.int32())
             parts.append(with_provenance(cols, prov, data.layer))
-            self.scalars[fn_class].append({"seq": data.seq, **{k: metrics[k] for k in (
-                "rel_err", "cos_full_tok", "cos_full_tok_map", "angle_full_res", "angle_tok_res", "proj_res_m16")}})
+            self.scalars[fn_class].append({"seq": data.seq, **{k: metrics[k] for k in TOKEN_STATISTICS if k in metrics}})
         return pa.concat_tables(parts)
 
     def spectra_table(self, prov: Provenance, layer: int) -> pa.Table:
@@ -361,7 +372,7 @@ class LayerGeometry:
                                          "replicate": pa.array(np.arange(b), pa.int32())}
             cols.update({k: pa.array(v, pa.float64())
                          for k, v in geometry_replicates(merged["seq"], merged, self.counts).items()})
-            for which in WHICH:
+            for which in WHICH + NULL_WHICH:
                 ranks = np.full(b, np.nan)
                 if self.n_spec:
                     ranks[: self.n_spec] = gram_effective_ranks(self.replicate_grams[(fn_class, which)])
@@ -521,24 +532,36 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
     return pa.concat_tables(token_parts), pa.concat_tables(summary_parts)
 
 
-def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenance, layer: int) -> pa.Table:
-    """Spearman(error, KL) of the main patch on every bootstrap resample of the sequences."""
-    counts = replicate_counts(cfg.n_seq, cfg.bootstrap, cfg.seed)
-    parts = []
-    patch = fm.filter(pc.equal(fm["variant"], "patch"))
-    for fn_class in dict.fromkeys(patch["fn_class"].to_pylist()):
-        part = patch.filter(pc.equal(patch["fn_class"], fn_class))
-        seq, kl = part["seq"].to_numpy(), part["kl"].to_numpy()
-        rel, norm = part["rel_err"].to_numpy(), part["norm_res"].to_numpy()
-        rho_rel, rho_norm = np.full(cfg.bootstrap, np.nan), np.full(cfg.bootstrap, np.nan)
+def _replicate_spearman(part: pa.Table, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Spearman(relative error, KL) and Spearman(||r||, KL) of one variant's rows on every resample."""
+    seq, kl = part["seq"].to_numpy(), part["kl"].to_numpy()
+    rel, norm = part["rel_err"].to_numpy(), part["norm_res"].to_numpy()
+    rho_rel, rho_norm = np.full(len(counts), np.nan), np.full(len(counts), np.nan)
+    if len(part):
         for start, w in row_weights(counts, seq):  # weights of 32 resamples x tokens at a time
             rho_rel[start : start + len(w)] = weighted_spearman(rel, kl, w)
             rho_norm[start : start + len(w)] = weighted_spearman(norm, kl, w)
+    return rho_rel, rho_norm
+
+
+def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenance, layer: int) -> pa.Table:
+    """Spearman(error, KL) of the main patch on every bootstrap resample of the sequences, and its null:
+    the same Spearman with the KL of the random control (the output moved as far in a random
+    direction), for the class the controls use (NaN for the others)."""
+    counts = replicate_counts(cfg.n_seq, cfg.bootstrap, cfg.seed)
+    parts = []
+    patch = fm.filter(pc.equal(fm["variant"], "patch"))
+    random = fm.filter(pc.equal(fm["variant"], "random"))
+    for fn_class in dict.fromkeys(patch["fn_class"].to_pylist()):
+        rho_rel, rho_norm = _replicate_spearman(patch.filter(pc.equal(patch["fn_class"], fn_class)), counts)
+        null_rel, null_norm = _replicate_spearman(random.filter(pc.equal(random["fn_class"], fn_class)), counts)
         parts.append(with_provenance({
             "fn_class": pa.array([fn_class] * cfg.bootstrap),
             "replicate": pa.array(np.arange(cfg.bootstrap), pa.int32()),
             "spearman_relerr_kl": pa.array(rho_rel, pa.float64(), from_pandas=True),
             "spearman_normres_kl": pa.array(rho_norm, pa.float64(), from_pandas=True),
+            "spearman_relerr_kl_null": pa.array(null_rel, pa.float64(), from_pandas=True),
+            "spearman_normres_kl_null": pa.array(null_norm, pa.float64(), from_pandas=True),
         }, prov, layer))
     return pa.concat_tables(parts)
 

@@ -102,21 +102,40 @@ def replicate_grams(v: np.ndarray, seq: np.ndarray, counts: np.ndarray, block: i
     return out
 
 
-GEOMETRY_STATISTICS = ("rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median", "frac_res_angle_gt60",
-                       "frac_res_tok_angle_gt60", "proj_res_m16")
+# The per-layer geometry statistics of the findings, as `layer_summary` defines them: (statistic,
+# per-token column, how it aggregates). The `_null` ones are the same measures on the random-direction
+# residual of the same length (geometry.null_metrics).
+GEOMETRY_STATISTIC_DEFS: tuple[tuple[str, str, str], ...] = (
+    ("rel_err_median", "rel_err", "median"),
+    ("cos_full_tok_median", "cos_full_tok", "median"),
+    ("cos_full_tok_map_median", "cos_full_tok_map", "median"),
+    ("frac_res_angle_gt60", "angle_full_res", "share_gt60"),
+    ("frac_res_tok_angle_gt60", "angle_tok_res", "share_gt60"),
+    ("proj_res_m16", "proj_res_m16", "mean"),
+    ("cos_full_tok_median_null", "cos_full_tok_null", "median"),
+    ("cos_full_tok_map_median_null", "cos_full_tok_map_null", "median"),
+    ("frac_res_angle_gt60_null", "angle_full_res_null", "share_gt60"),
+    ("frac_res_tok_angle_gt60_null", "angle_tok_res_null", "share_gt60"),
+    ("proj_res_m16_null", "proj_null_m16", "mean"),
+)
+GEOMETRY_STATISTICS: tuple[str, ...] = tuple(name for name, _, _ in GEOMETRY_STATISTIC_DEFS)
+TOKEN_STATISTICS: tuple[str, ...] = tuple(dict.fromkeys(column for _, column, _ in GEOMETRY_STATISTIC_DEFS))
 
 
 def geometry_replicates(seq: np.ndarray, metrics: dict[str, np.ndarray], counts: np.ndarray) -> dict[str, np.ndarray]:
-    """The per-layer geometry statistics of the findings (as `layer_summary` defines them) on every
-    resample: {statistic: [n_resamples]}."""
+    """The per-layer geometry statistics of the findings (GEOMETRY_STATISTIC_DEFS) on every resample:
+    {statistic: [n_resamples]}; a statistic whose column `metrics` lacks is NaN."""
     out: dict[str, list[np.ndarray]] = {name: [] for name in GEOMETRY_STATISTICS}
     for _, w in row_weights(counts, seq):
-        out["rel_err_median"].append(weighted_median(metrics["rel_err"], w))
-        out["cos_full_tok_median"].append(weighted_median(metrics["cos_full_tok"], w))
-        out["cos_full_tok_map_median"].append(weighted_median(metrics["cos_full_tok_map"], w))
-        out["frac_res_angle_gt60"].append(weighted_mean((metrics["angle_full_res"] > 60).astype(np.float64), w))
-        out["frac_res_tok_angle_gt60"].append(weighted_mean((metrics["angle_tok_res"] > 60).astype(np.float64), w))
-        out["proj_res_m16"].append(weighted_mean(metrics["proj_res_m16"], w))
+        for name, column, how in GEOMETRY_STATISTIC_DEFS:
+            if column not in metrics:
+                out[name].append(np.full(len(w), np.nan))
+            elif how == "median":
+                out[name].append(weighted_median(metrics[column], w))
+            elif how == "share_gt60":
+                out[name].append(weighted_mean((metrics[column] > 60).astype(np.float64), w))
+            else:
+                out[name].append(weighted_mean(metrics[column], w))
     return {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in out.items()}
 
 

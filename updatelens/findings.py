@@ -5,7 +5,13 @@ Each measure is a SQL aggregate over the per-layer statistics of one (model, con
 bootstrap replicate) — the columns of the `layer_summary` view (and the effective ranks of
 `spectra`), with `layer` and `n_layers` — so a reader sees how every figure is derived.
 `storage.catalog` renders these into the `findings_by_class` and `findings` views; the reports
-and the sensitivity view read them from there. Findings 5 and 6 of the paper compare models
+and the sensitivity view read them from there.
+
+Each finding also declares its null: the same aggregate where the structure the paper claims is
+absent (a residual of the same length in a random direction, permuted depths, the identity map). A
+finding `holds` only when its bootstrap interval clears the threshold and the interval of its
+difference from the null (resample by resample) excludes zero on the claimed side; when it clears
+the threshold but not the null it is `indistinct`: the measure cannot tell the claim from noise. Findings 5 and 6 of the paper compare models
 (small against large, Mamba against Transformers); per model, UpdateLens measures what one model
 can show: the diagonal class against the low-rank one, the middle layers against the outer ones.
 """
@@ -15,11 +21,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # What a measure may read: these per-layer statistics (one row per layer of a class), the effective
-# ranks of the singular spectra of Δ_full, Δ_tok and r (rank_full, rank_tok, rank_res), `layer` and
-# `n_layers`.
+# ranks of the singular spectra of Δ_full, Δ_tok and r (rank_full, rank_tok, rank_res) and of the
+# null's Δ_full and r (rank_full_null, rank_res_null), `layer`, `n_layers` (the model's depth, whatever
+# was analysed) and `perm_layer` (the analysed layers' depths in a random order, one per resample).
+# The `_null` statistics are the same measures on the random-direction residual of the same length.
 STATISTICS: tuple[str, ...] = ("rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median",
                                "frac_res_angle_gt60", "frac_res_tok_angle_gt60", "proj_res_m16",
-                               "spearman_relerr_kl", "spearman_normres_kl")
+                               "spearman_relerr_kl", "spearman_normres_kl",
+                               "cos_full_tok_median_null", "cos_full_tok_map_median_null", "frac_res_angle_gt60_null",
+                               "frac_res_tok_angle_gt60_null", "proj_res_m16_null", "spearman_relerr_kl_null",
+                               "spearman_normres_kl_null")
+
+# Aggregates over layers need this many analysed layers (fewer: the finding is NULL, with a note).
+MIN_LAYERS = 2
+OVER_LAYERS = f"count(DISTINCT layer) >= {MIN_LAYERS}"
+OVER_LAYERS_NOTE = (f"not measured: it aggregates over layers and needs at least {MIN_LAYERS} analysed layers "
+                    f"(with one, an aggregate over layers is that layer's value)")
+MIDDLE = "{layer} >= n_layers / 3 AND {layer} < 2 * n_layers / 3"
 
 
 @dataclass(frozen=True)
@@ -28,53 +46,81 @@ class Finding:
     claim: str  # the paper's statement
     measure: str  # the measure in words
     value: str  # SQL aggregate over the rows of one class's layers (scope "class") or of all classes ("model")
-    op: str  # '>=' or '<=': the finding holds when value op bound
+    op: str  # '>=' or '<=': the finding holds when value op bound, and value op its null (beyond it)
     bound: float
     source: str  # where the bound comes from
+    null: str  # the same aggregate where the claimed structure is absent (docs/method.md, "Nulls")
+    null_source: str  # what the null is, in words
     scope: str = "class"  # "model": the value compares classes and is the same for each of them
+    coverage: str = OVER_LAYERS  # SQL condition on the analysed layers under which the value is measured
+    coverage_note: str = OVER_LAYERS_NOTE
 
     @property
     def threshold(self) -> str:
         return f"{self.op} {self.bound:g}"
 
 
+RANDOM_DIRECTION = "u a random unit vector per token (the random control's), so r keeps its length, not its direction"
+MIDDLE_GAP = ("avg(CASE WHEN {m} THEN rel_err_median END) - avg(CASE WHEN NOT ({m}) THEN rel_err_median END)")
+
 FINDINGS: tuple[Finding, ...] = (
     Finding("1", "the full update is aligned with the tokenwise update",
             "median over layers of median cos(Δ_full, Δ_tok), update form", "median(cos_full_tok_median)", ">=", 0.9,
-            "the paper says 'almost perfectly aligned (cosine near 1)'; 0.9 (about 26°) is UpdateLens's reading"),
+            "the paper says 'almost perfectly aligned (cosine near 1)'; 0.9 (about 26°) is UpdateLens's reading",
+            "median(cos_full_tok_median_null)", f"cos(Δ_tok + ‖r‖u, Δ_tok), {RANDOM_DIRECTION}"),
     Finding("1 map", "the full update is aligned with the tokenwise update",
             "median over layers of median cos(y, T(x)), map form", "median(cos_full_tok_map_median)", ">=", 0.9,
-            "as finding 1, under the map-form convention"),
+            "as finding 1, under the map-form convention",
+            "median(cos_full_tok_map_median_null)", f"cos(T(x) + ‖r‖u, T(x)), {RANDOM_DIRECTION}"),
     Finding("2 angle", "the residual deviates by large angles",
             "mean over layers of the share of tokens with angle(Δ_full, r) > 60°", "avg(frac_res_angle_gt60)",
-            ">=", 0.5, "the paper says 'many tokens above 60 degrees'; 'many' read as at least half"),
+            ">=", 0.5, "the paper says 'many tokens above 60 degrees'; 'many' read as at least half",
+            "avg(frac_res_angle_gt60_null)", f"the share with angle(Δ_tok + ‖r‖u, ‖r‖u) > 60°, {RANDOM_DIRECTION}"),
     Finding("2 angle vs tok", "the residual deviates by large angles",
             "mean over layers of the share of tokens with angle(Δ_tok, r) > 60°", "avg(frac_res_tok_angle_gt60)",
-            ">=", 0.5, "as finding 2 angle, with the angle measured against Δ_tok"),
+            ">=", 0.5, "as finding 2 angle, with the angle measured against Δ_tok",
+            "avg(frac_res_tok_angle_gt60_null)",
+            f"the share with angle(Δ_tok, u) > 60°, {RANDOM_DIRECTION} (nearly all: random directions are "
+            f"almost orthogonal in d dimensions)"),
     Finding("2 projection", "the residual projects little onto the tokenwise subspace",
             "mean over layers of the projection energy of r on the top-16 tokenwise directions", "avg(proj_res_m16)",
-            "<=", 0.25, "the paper says 'weakly aligned'; a quarter of r's energy is UpdateLens's reading"),
+            "<=", 0.25, "the paper says 'weakly aligned'; a quarter of r's energy is UpdateLens's reading",
+            "avg(proj_res_m16_null)", f"the projection energy of u on the same 16 directions (about 16/d), "
+                                      f"{RANDOM_DIRECTION}"),
     Finding("3", "full and tokenwise updates are low-dimensional, the residual is not",
             "mean effective rank of Δ_full and Δ_tok over that of r (the larger of the two ratios)",
             "greatest(avg(rank_full), avg(rank_tok)) / avg(rank_res)", "<=", 0.5,
-            "the paper gives no figure; at most half the residual's effective rank is UpdateLens's reading"),
+            "the paper gives no figure; at most half the residual's effective rank is UpdateLens's reading",
+            "greatest(avg(rank_full_null), avg(rank_tok)) / avg(rank_res_null)",
+            f"the same ratio with r replaced by ‖r‖u, an isotropic residual of the same energy ({RANDOM_DIRECTION})"),
     Finding("4", "approximation error predicts output perturbation",
             "median over layers of Spearman(relative error, KL)", "median(spearman_relerr_kl)", ">=", 0.7,
-            "the paper: 'Spearman often above 0.7'"),
+            "the paper: 'Spearman often above 0.7'",
+            "median(spearman_relerr_kl_null)",
+            "Spearman(relative error, KL) of the random control: the output moved as far as T(x) moves it, in a "
+            "random direction (the controls' class only)"),
     Finding("4 norm", "approximation error predicts output perturbation",
             "median over layers of Spearman(||r||, KL)", "median(spearman_normres_kl)", ">=", 0.7,
-            "as finding 4, with the error measured as ||r||"),
+            "as finding 4, with the error measured as ||r||",
+            "median(spearman_normres_kl_null)", "as finding 4's null, with the error measured as ||r||"),
     Finding("5", "a diagonal map serves about as well as a low-rank one",
             "median relative error of diagonal minus that of lowrank",
             "median(rel_err_median) FILTER (WHERE fn_class = 'diagonal') "
             "- median(rel_err_median) FILTER (WHERE fn_class = 'lowrank')", "<=", 0.05,
             "the paper: small models are 'well served by diagonal maps'; within 0.05 of low rank's median error "
-            "is UpdateLens's reading", scope="model"),
+            "is UpdateLens's reading",
+            "1.0 - median(rel_err_median) FILTER (WHERE fn_class = 'lowrank')",
+            "the identity map (no tokenwise update: relative error 1) in place of the diagonal one", scope="model"),
     Finding("6", "middle layers have larger residuals",
-            "mean median relative error of the middle third of layers minus the outer thirds",
-            "avg(CASE WHEN layer >= n_layers / 3 AND layer < 2 * n_layers / 3 THEN rel_err_median END) "
-            "- avg(CASE WHEN layer < n_layers / 3 OR layer >= 2 * n_layers / 3 THEN rel_err_median END)", ">=", 0.0,
-            "the paper: 'middle layers have larger residuals'; any positive gap"),
+            "mean median relative error of the middle third of the model's layers minus the outer thirds",
+            MIDDLE_GAP.format(m=MIDDLE.format(layer="layer")), ">=", 0.0,
+            "the paper: 'middle layers have larger residuals'; any positive gap",
+            MIDDLE_GAP.format(m=MIDDLE.format(layer="perm_layer")),
+            "the same gap with the analysed layers' depths permuted at random (one permutation per resample)",
+            coverage=(f"count(DISTINCT layer) FILTER (WHERE {MIDDLE.format(layer='layer')}) >= 2 AND "
+                      f"count(DISTINCT layer) FILTER (WHERE NOT ({MIDDLE.format(layer='layer')})) >= 2"),
+            coverage_note="not measured: it needs at least 2 analysed layers in the middle third of the model's "
+                          "depth and 2 in the outer thirds"),
 )
 
 BY_ID: dict[str, Finding] = {f.id: f for f in FINDINGS}

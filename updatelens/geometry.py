@@ -63,6 +63,33 @@ def token_metrics(x: np.ndarray, y: np.ndarray, tx: np.ndarray, dec: Decompositi
     }
 
 
+def null_residual(dec: Decomposition, directions: np.ndarray) -> Decomposition:
+    """The decomposition the same tokens would have if each residual kept its length but pointed in a
+    random direction (`directions`: unit vectors [N, d]): the null against which the findings'
+    geometry is judged (docs/method.md, "Nulls"). Δ_tok is unchanged; r0 = ||r|| u, Δ_full0 = Δ_tok + r0."""
+    r0 = np.linalg.norm(dec.residual, axis=1, keepdims=True) * np.asarray(directions, np.float64)
+    return Decomposition(delta_full=dec.delta_tok + r0, delta_tok=dec.delta_tok, residual=r0)
+
+
+def null_metrics(dec: Decomposition, x: np.ndarray, directions: np.ndarray, sub: Subspace | None,
+                 m: int) -> dict[str, np.ndarray]:
+    """Per token, the findings' geometric measures on the random-direction residual of the same length
+    (`null_residual`): the cosine of the full and tokenwise updates (update and map forms), the
+    residual's angles against Δ_full and Δ_tok, and its projection energy on the top-m tokenwise
+    directions (`sub`, when given)."""
+    null = null_residual(dec, directions)
+    tx = np.asarray(x, np.float64) + dec.delta_tok
+    out = {
+        "cos_full_tok_null": cosine(null.delta_full, null.delta_tok),
+        "cos_full_tok_map_null": cosine(tx + null.residual, tx),
+        "angle_full_res_null": angle_deg(cosine(null.delta_full, null.residual)),
+        "angle_tok_res_null": angle_deg(cosine(null.delta_tok, null.residual)),
+    }
+    if sub is not None:
+        out[f"proj_null_m{m}"] = projection_energy(null.residual, sub.basis, min(m, sub.basis.shape[1]))
+    return out
+
+
 @dataclass
 class Subspace:
     basis: np.ndarray  # [d, d] right singular vectors of the stacked Δ_tok, columns by energy

@@ -39,20 +39,22 @@ class Provenance:
     dtype: str
     code_version: str
     config_json: str
+    model_layers: int  # the model's real depth (the analysed layers may be fewer)
 
     @classmethod
-    def of(cls, model: str, model_revision: str, corpus: str, corpus_slice: str, cfg: AnalysisConfig) -> Provenance:
-        """The one place provenance is built: what was analysed (model, revision, corpus slice), the
-        configuration that analysed it and this code's version."""
+    def of(cls, model: str, model_revision: str, corpus: str, corpus_slice: str, cfg: AnalysisConfig,
+           model_layers: int) -> Provenance:
+        """The one place provenance is built: what was analysed (model, its depth, revision, corpus
+        slice), the configuration that analysed it and this code's version."""
         return cls(model=model, model_revision=model_revision, corpus=corpus, corpus_slice=corpus_slice,
                    config_id=cfg.config_id, k=cfg.k, rank=cfg.rank, dtype=cfg.fit_dtype, code_version=CODE_VERSION,
-                   config_json=cfg.to_json())
+                   config_json=cfg.to_json(), model_layers=model_layers)
 
     @classmethod
     def of_rows(cls, table: pa.Table, cfg: AnalysisConfig) -> Provenance:
-        """For a stage that reads stored rows: they say which model revision and corpus slice."""
-        row = table.slice(0, 1).select(["model", "model_revision", "corpus", "corpus_slice"]).to_pylist()[0]
-        return cls.of(row["model"], row["model_revision"], row["corpus"], row["corpus_slice"], cfg)
+        """For a stage that reads stored rows: they say which model (and its depth), revision and corpus slice."""
+        row = table.slice(0, 1).select(["model", "model_revision", "corpus", "corpus_slice", "model_layers"]).to_pylist()[0]
+        return cls.of(row["model"], row["model_revision"], row["corpus"], row["corpus_slice"], cfg, row["model_layers"])
 
     def columns(self, n: int) -> dict[str, pa.Array]:
         out: dict[str, pa.Array] = {}
@@ -63,7 +65,7 @@ class Provenance:
 
 
 PROVENANCE_COLUMNS: tuple[str, ...] = ("model", "model_revision", "corpus", "corpus_slice", "config_id", "k", "rank",
-                                       "dtype", "code_version", "config_json")
+                                       "dtype", "code_version", "config_json", "model_layers")
 
 
 def with_provenance(columns: dict[str, pa.Array | np.ndarray], prov: Provenance, layer: int) -> pa.Table:

@@ -12,10 +12,12 @@ import pyarrow as pa
 import pytest
 
 from updatelens import findings
+from updatelens.bootstrap import GEOMETRY_STATISTICS
 from updatelens.storage import catalog
 from updatelens.storage.layout import convergence_root, sweep_root, write_partition, write_sweep_run
 
-LAYERS, CLASSES, TOKENS = 3, ("diagonal", "lowrank"), 5
+LAYERS, CLASSES, TOKENS = 6, ("diagonal", "lowrank"), 5
+MIDDLE, OUTER = [2, 3], [0, 1, 4, 5]  # the thirds of a 6-layer model
 PROV = {"config_id": "c1", "model_revision": "r", "corpus_slice": "s", "k": 8, "rank": 2, "dtype": "float64",
         "code_version": "v"}
 
@@ -34,8 +36,12 @@ def fixture(root: Path, config_id: str = "c1", seed: int = 0, n_seq: int = 4) ->
         values[f"proj_res/{fn_class}"] = rng.uniform(0, 0.5, shape)
         values[f"rho/{fn_class}"] = rng.uniform(-0.2, 0.9, LAYERS)
         values[f"rho_norm/{fn_class}"] = rng.uniform(-0.2, 0.9, LAYERS)
-        for which in ("tok", "full", "res"):
-            values[f"rank_{which}/{fn_class}"] = rng.uniform(5, 50, LAYERS) * (3 if which == "res" else 1)
+        for which in ("tok", "full", "res", "full_null", "res_null"):
+            values[f"rank_{which}/{fn_class}"] = rng.uniform(5, 50, LAYERS) * (3 if "res" in which else 1)
+        for name in NULL_COLUMNS:
+            values[f"{name}/{fn_class}"] = rng.uniform(0, 90, shape) if "angle" in name else rng.uniform(0, 1, shape)
+        values[f"rho_null/{fn_class}"] = rng.uniform(-0.2, 0.9, LAYERS)
+        values[f"rho_norm_null/{fn_class}"] = rng.uniform(-0.2, 0.9, LAYERS)
     for layer in range(LAYERS):
         geo, fs, spec = [], [], []
         for fn_class in CLASSES:
@@ -47,20 +53,46 @@ def fixture(root: Path, config_id: str = "c1", seed: int = 0, n_seq: int = 4) ->
                 "angle_full_res": values[f"angle/{fn_class}"][layer],
                 "angle_tok_res": values[f"angle_tok/{fn_class}"][layer], "proj_full_m16": np.zeros(n),
                 "proj_tok_m16": np.zeros(n), "proj_res_m16": values[f"proj_res/{fn_class}"][layer],
-                "m90_tok": pa.array([1] * n, pa.int32()), **{k: [v] * n for k, v in prov.items()}}))
+                "m90_tok": pa.array([1] * n, pa.int32()), "model_layers": pa.array([LAYERS] * n, pa.int32()),
+                **{name: values[f"{name}/{fn_class}"][layer] for name in NULL_COLUMNS},
+                **{k: [v] * n for k, v in prov.items()}}))
             fs.append(pa.table({
-                "model": ["m"], "layer": pa.array([layer], pa.int32()), "fn_class": [fn_class], "variant": ["patch"],
-                "kl_mean": [0.1], "kl_median": [0.1], "spearman_relerr_kl": [values[f"rho/{fn_class}"][layer]],
-                "spearman_normres_kl": [values[f"rho_norm/{fn_class}"][layer]], **{k: [v] for k, v in prov.items()}}))
+                "model": ["m"] * 2, "layer": pa.array([layer] * 2, pa.int32()), "fn_class": [fn_class] * 2,
+                "variant": ["patch", "random"], "kl_mean": [0.1, 0.1], "kl_median": [0.1, 0.1],
+                "spearman_relerr_kl": [values[f"rho/{fn_class}"][layer], values[f"rho_null/{fn_class}"][layer]],
+                "spearman_normres_kl": [values[f"rho_norm/{fn_class}"][layer], values[f"rho_norm_null/{fn_class}"][layer]],
+                **{k: [v] * 2 for k, v in prov.items()}}))
+            whiches = [w for w in ("tok", "full", "res", "full_null", "res_null") for _ in range(2)]
             spec.append(pa.table({
-                "model": ["m"] * 6, "layer": pa.array([layer] * 6, pa.int32()), "fn_class": [fn_class] * 6,
-                "which": ["tok", "tok", "full", "full", "res", "res"], "idx": pa.array([0, 1] * 3, pa.int32()),
-                "effective_rank": [values[f"rank_{w}/{fn_class}"][layer] for w in ("tok", "tok", "full", "full", "res", "res")],
-                **{k: [v] * 6 for k, v in prov.items()}}))
+                "model": ["m"] * 10, "layer": pa.array([layer] * 10, pa.int32()), "fn_class": [fn_class] * 10,
+                "which": whiches, "idx": pa.array([0, 1] * 5, pa.int32()),
+                "effective_rank": [values[f"rank_{w}/{fn_class}"][layer] for w in whiches],
+                **{k: [v] * 10 for k, v in prov.items()}}))
         write_partition(root, "geometry", "m", layer, pa.concat_tables(geo))
         write_partition(root, "functional_summary", "m", layer, pa.concat_tables(fs))
         write_partition(root, "spectra", "m", layer, pa.concat_tables(spec))
     return values
+
+
+NULL_COLUMNS = ("cos_full_tok_null", "cos_full_tok_map_null", "angle_full_res_null", "angle_tok_res_null",
+                "proj_null_m16")
+
+
+def hand_nulls(v: dict[str, np.ndarray], fn_class: str) -> dict[str, float]:
+    """The nulls of every finding but 6 (a permutation: tested on its own)."""
+    lowrank = np.median(np.median(v["rel_err/lowrank"], axis=1))
+    return {
+        "1": np.median(np.median(v[f"cos_full_tok_null/{fn_class}"], axis=1)),
+        "1 map": np.median(np.median(v[f"cos_full_tok_map_null/{fn_class}"], axis=1)),
+        "2 angle": np.mean((v[f"angle_full_res_null/{fn_class}"] > 60).mean(axis=1)),
+        "2 angle vs tok": np.mean((v[f"angle_tok_res_null/{fn_class}"] > 60).mean(axis=1)),
+        "2 projection": np.mean(v[f"proj_null_m16/{fn_class}"]),
+        "3": max(v[f"rank_full_null/{fn_class}"].mean(), v[f"rank_tok/{fn_class}"].mean())
+        / v[f"rank_res_null/{fn_class}"].mean(),
+        "4": np.median(v[f"rho_null/{fn_class}"]),
+        "4 norm": np.median(v[f"rho_norm_null/{fn_class}"]),
+        "5": 1.0 - lowrank,
+    }
 
 
 def hand_findings(v: dict[str, np.ndarray], fn_class: str) -> dict[str, float]:
@@ -76,7 +108,7 @@ def hand_findings(v: dict[str, np.ndarray], fn_class: str) -> dict[str, float]:
         "4": np.median(v[f"rho/{fn_class}"]),
         "4 norm": np.median(v[f"rho_norm/{fn_class}"]),
         "5": err["diagonal"] - err["lowrank"],
-        "6": per_layer_median[fn_class][1] - np.mean(per_layer_median[fn_class][[0, 2]]),
+        "6": np.mean(per_layer_median[fn_class][MIDDLE]) - np.mean(per_layer_median[fn_class][OUTER]),
     }
 
 
@@ -90,9 +122,14 @@ def test_findings_match_a_hand_computation(tmp_path: Path) -> None:
     assert set(rows) == set(expected)
     for finding, value in expected.items():
         assert rows[finding]["value"] == pytest.approx(value, rel=1e-9), finding
-    assert rows["5"]["holds"] == (expected["5"] <= 0.05)
-    assert rows["4"]["holds"] == (expected["4"] >= 0.7)
+    nulls = hand_nulls(v, best)
+    for finding, value in nulls.items():
+        assert rows[finding]["null_value"] == pytest.approx(value, rel=1e-9), finding
+        assert rows[finding]["null_source"] == findings.BY_ID[finding].null_source
+    assert rows["5"]["holds"] == (expected["5"] <= 0.05 and expected["5"] < nulls["5"])
+    assert rows["4"]["holds"] == (expected["4"] >= 0.7 and expected["4"] > nulls["4"])
     assert rows["2 angle"]["threshold"] == ">= 0.5"
+    assert rows["1"]["layers"] == "0,1,2,3,4,5" and rows["1"]["n_layers"] == LAYERS and rows["1"]["note"] is None
 
 
 def test_the_views_render_the_findings_declared_in_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,7 +142,7 @@ def test_the_views_render_the_findings_declared_in_the_engine(tmp_path: Path, mo
         assert rows[finding.id]["threshold"] == finding.threshold
         assert rows[finding.id]["threshold_source"] == finding.source and finding.source
     extra = findings.Finding("7", "a planted claim", "max over layers of the median relative error",
-                             "max(rel_err_median)", "<=", 10.0, "the test")
+                             "max(rel_err_median)", "<=", 10.0, "the test", "max(rel_err_median) + 1", "one more")
     monkeypatch.setattr(catalog, "FINDINGS", (*findings.FINDINGS, extra))
     planted = catalog.query(tmp_path, "SELECT fn_class, value, holds FROM findings_by_class WHERE finding = '7'")
     assert sorted(planted["fn_class"].to_list()) == sorted(CLASSES) and all(planted["holds"])
@@ -165,19 +202,25 @@ def replicate_fixture(root: Path, n_rep: int = 40, seed: int = 5, config_id: str
                                 ("cos_full_tok_map_median", 0.8, 1.0), ("frac_res_angle_gt60", 0.0, 1.0),
                                 ("frac_res_tok_angle_gt60", 0.0, 1.0), ("proj_res_m16", 0.3, 0.5),
                                 ("spearman_relerr_kl", 0.5, 0.9), ("spearman_normres_kl", 0.5, 0.9),
-                                ("rank_full", 5, 20), ("rank_tok", 5, 20), ("rank_res", 30, 60)):
+                                ("rank_full", 5, 20), ("rank_tok", 5, 20), ("rank_res", 30, 60),
+                                *((f"{n}_null", 0.0, 1.0) for n in ("cos_full_tok_median", "cos_full_tok_map_median",
+                                                                     "frac_res_angle_gt60", "frac_res_tok_angle_gt60",
+                                                                     "proj_res_m16", "spearman_relerr_kl",
+                                                                     "spearman_normres_kl")),
+                                ("rank_full_null", 5, 20), ("rank_res_null", 30, 60)):
             reps[f"{name}/{fn_class}"] = rng.uniform(low, high, (n_rep, LAYERS))
     for layer in range(LAYERS):
         geo, fun = [], []
         for fn_class in CLASSES:
             ids = {"model": ["m"] * n_rep, "layer": pa.array([layer] * n_rep, pa.int32()), "fn_class": [fn_class] * n_rep,
                    "replicate": pa.array(np.arange(n_rep), pa.int32()), **{k: [v] * n_rep for k, v in prov.items()}}
-            geo.append(pa.table({**ids, **{name: reps[f"{name}/{fn_class}"][:, layer] for name in
-                                           ("rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median",
-                                            "frac_res_angle_gt60", "frac_res_tok_angle_gt60", "proj_res_m16",
-                                            "rank_full", "rank_tok", "rank_res")}}))
-            fun.append(pa.table({**ids, "spearman_relerr_kl": reps[f"spearman_relerr_kl/{fn_class}"][:, layer],
-                                 "spearman_normres_kl": reps[f"spearman_normres_kl/{fn_class}"][:, layer]}))
+            geo.append(pa.table({**ids, "model_layers": pa.array([LAYERS] * n_rep, pa.int32()),
+                                 **{name: reps[f"{name}/{fn_class}"][:, layer] for name in
+                                    (*GEOMETRY_STATISTICS, "rank_full", "rank_tok", "rank_res", "rank_full_null",
+                                     "rank_res_null")}}))
+            fun.append(pa.table({**ids, **{name: reps[f"{name}/{fn_class}"][:, layer] for name in
+                                           ("spearman_relerr_kl", "spearman_normres_kl", "spearman_relerr_kl_null",
+                                            "spearman_normres_kl_null")}}))
         write_partition(root, "geometry_bootstrap", "m", layer, pa.concat_tables(geo))
         write_partition(root, "functional_bootstrap", "m", layer, pa.concat_tables(fun))
     return reps
@@ -195,24 +238,39 @@ def test_intervals_are_quantiles_of_the_findings_on_each_resample(tmp_path: Path
             / reps[f"rank_res/{fn_class}"].mean(axis=1),
             "4": np.median(reps[f"spearman_relerr_kl/{fn_class}"], axis=1),
             "5": np.median(reps["rel_err_median/diagonal"], axis=1) - np.median(reps["rel_err_median/lowrank"], axis=1),
-            "6": reps[f"rel_err_median/{fn_class}"][:, 1] - reps[f"rel_err_median/{fn_class}"][:, [0, 2]].mean(axis=1),
+            "6": reps[f"rel_err_median/{fn_class}"][:, MIDDLE].mean(axis=1)
+            - reps[f"rel_err_median/{fn_class}"][:, OUTER].mean(axis=1),
         }
+        null_rep = {"1": np.median(reps[f"cos_full_tok_median_null/{fn_class}"], axis=1),
+                    "4": np.median(reps[f"spearman_relerr_kl_null/{fn_class}"], axis=1),
+                    "5": 1.0 - np.median(reps["rel_err_median/lowrank"], axis=1)}
+        for finding, nulls in null_rep.items():
+            row = rows[(fn_class, finding)]
+            assert row["null_value"] == pytest.approx(np.median(nulls), rel=1e-9)
+            assert row["null_ci_lo"] == pytest.approx(np.quantile(nulls, 0.025), rel=1e-9)
+            diff = per_rep[finding] - nulls
+            assert row["diff_ci_lo"] == pytest.approx(np.quantile(diff, 0.025), rel=1e-9, abs=1e-12)
+            assert row["diff_ci_hi"] == pytest.approx(np.quantile(diff, 0.975), rel=1e-9, abs=1e-12)
         for finding, values in per_rep.items():
             row = rows[(fn_class, finding)]
             lo, hi = np.quantile(values, [0.025, 0.975])
             assert row["ci_lo"] == pytest.approx(lo, rel=1e-9) and row["ci_hi"] == pytest.approx(hi, rel=1e-9)
             assert row["n_resamples"] == 40
             assert row["value"] == pytest.approx(hand_findings(v, fn_class)[finding], rel=1e-9)
-        # the three-valued verdict from where the interval lies against the threshold
+        # the verdict: where the interval lies against the threshold, then against the null
         for (cls, finding), row in rows.items():
             bound = float(row["threshold"].split()[1])
             above = row["threshold"].startswith(">=")
-            lo, hi = row["ci_lo"], row["ci_hi"]
-            expected = ("holds" if (lo >= bound if above else hi <= bound)
-                        else "fails" if (hi < bound if above else lo > bound) else "undecided")
+            lo, hi, dlo, dhi = row["ci_lo"], row["ci_hi"], row["diff_ci_lo"], row["diff_ci_hi"]
+            if (hi < bound if above else lo > bound):
+                expected = "fails"
+            elif not (lo >= bound if above else hi <= bound) or dlo is None:
+                expected = "undecided"
+            else:
+                expected = "holds" if (dlo > 0 if above else dhi < 0) else "indistinct"
             assert row["verdict"] == expected, (cls, finding)
     verdicts = {r["verdict"] for r in rows.values()}
-    assert {"holds", "fails", "undecided"} <= verdicts, verdicts
+    assert {"fails", "undecided", "indistinct"} <= verdicts, verdicts  # 'holds': the planted test below
 
 
 def test_without_resamples_there_is_no_interval_and_no_verdict(tmp_path: Path) -> None:
@@ -233,7 +291,7 @@ def test_convergence_lists_each_finding_at_each_sample_size(tmp_path: Path) -> N
     small = hand_findings(fixture(tmp_path / "again", "x", seed=0), "lowrank")
     assert by_size[("4", "lowrank", 2048)]["value"] == pytest.approx(small["4"], rel=1e-9)
     assert by_size[("4", "lowrank", 2048)]["ci_lo"] <= by_size[("4", "lowrank", 2048)]["ci_hi"]
-    assert by_size[("1", "diagonal", 8192)]["layers"] == "0,1,2"
+    assert by_size[("1", "diagonal", 8192)]["layers"] == "0,1,2,3,4,5"
     with duckdb.connect() as con:  # the main views stay empty: nothing was stored outside convergence/
         views = catalog.create_views(con, tmp_path)
     assert "findings" not in views and "convergence" in views
@@ -253,3 +311,48 @@ def test_convergence_figure_draws_every_finding_even_one_without_values(tmp_path
     figure.savefig(tmp_path / "convergence.png")
     assert (tmp_path / "convergence.png").stat().st_size > 0
     assert [ax.get_title() for ax in figure.axes[:2]] == ["finding 1 (>= 0.9)", "finding 6 (>= 0)"]
+
+
+def test_a_finding_holds_only_beyond_its_null_and_is_indistinct_when_noise_passes_too(tmp_path: Path) -> None:
+    """Planted resamples: for lowrank the full update is more aligned with the tokenwise one than a
+    random residual of the same length makes it (the structure); for diagonal the residual is such a
+    random direction (the measure equals its null). Both clear the threshold."""
+    fixture(tmp_path)
+    reps = replicate_fixture(tmp_path)
+    rng = np.random.default_rng(11)
+    structured = rng.uniform(0.95, 0.99, (40, LAYERS))
+    noise = rng.uniform(0.92, 0.99, (40, LAYERS))
+    planted = {"lowrank": (structured, structured - 0.06), "diagonal": (noise, noise + rng.normal(0, 1e-3, noise.shape))}
+    for layer in range(LAYERS):
+        table = catalog.query(tmp_path, "SELECT * FROM geometry_bootstrap WHERE layer = $1 ORDER BY fn_class, replicate",
+                              [layer]).drop(["layer", "model"]).to_arrow()
+        columns = {}
+        for name in ("cos_full_tok_median", "cos_full_tok_median_null"):
+            columns[name] = np.concatenate([planted[c][name.endswith("_null")][:, layer] for c in ("diagonal", "lowrank")])
+        for name, values in columns.items():
+            table = table.set_column(table.schema.get_field_index(name), name, pa.array(values))
+        write_partition(tmp_path, "geometry_bootstrap", "m", layer,
+                        table.append_column("model", pa.array(["m"] * len(table)))
+                        .append_column("layer", pa.array([layer] * len(table), pa.int32())))
+    assert reps  # the other statistics stay as the fixture drew them
+    verdicts = {r["fn_class"]: r for r in catalog.query(tmp_path, "SELECT * FROM findings_by_class WHERE finding = '1'")
+                .to_dicts()}
+    assert verdicts["lowrank"]["ci_lo"] >= 0.9 and verdicts["diagonal"]["ci_lo"] >= 0.9  # both pass the threshold
+    assert verdicts["lowrank"]["verdict"] == "holds" and verdicts["lowrank"]["diff_ci_lo"] > 0
+    assert verdicts["diagonal"]["verdict"] == "indistinct"
+    assert verdicts["diagonal"]["diff_ci_lo"] <= 0 <= verdicts["diagonal"]["diff_ci_hi"]
+
+
+def test_finding_6_uses_the_models_depth_and_is_null_with_a_reason_when_too_few_layers(tmp_path: Path) -> None:
+    import shutil
+
+    from updatelens.storage.layout import partition_dir
+
+    fixture(tmp_path)
+    for layer in (0, 1, 4):  # left: layers 2, 3, 5 of 6: one outer layer only
+        for table in ("geometry", "functional_summary", "spectra"):
+            shutil.rmtree(partition_dir(tmp_path, table, "m", layer))
+    rows = {r["finding"]: r for r in catalog.query(tmp_path, "SELECT * FROM findings").to_dicts()}
+    assert rows["6"]["value"] is None and rows["6"]["null_value"] is None
+    assert "2 analysed layers in the middle third" in rows["6"]["note"] and "(layers analysed: 2,3,5 of 6)" in rows["6"]["note"]
+    assert rows["1"]["value"] is not None and rows["1"]["layers"] == "2,3,5"

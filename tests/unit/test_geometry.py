@@ -76,3 +76,30 @@ def test_gram_accumulated_subspace_and_spectrum_equal_the_svd_of_the_stacked_row
     assert abs(gram_sp.effective_rank - sp.effective_rank) < 1e-9
     few = v[:5]  # fewer rows than dimensions: as many directions as the SVD gives
     assert len(subspace_from_gram(few.T @ few, 5).singular_values) == len(spectrum(few).singular_values) == 5
+
+
+def test_the_null_residual_keeps_its_length_and_measures_like_noise() -> None:
+    """A residual drawn at random scores as its null; one aligned with Δ_tok scores beyond it."""
+    from updatelens.geometry import decompose, dominant_subspace, null_metrics, null_residual, token_metrics
+
+    rng = np.random.default_rng(3)
+    n, d = 4000, 64
+    x = rng.standard_normal((n, d))
+    delta_tok = rng.standard_normal((n, d)) @ np.diag(np.linspace(3, 0.01, d))  # low-dimensional
+    u = rng.standard_normal((n, d))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    noise = rng.standard_normal((n, d))
+    noise = 0.3 * np.linalg.norm(delta_tok, axis=1, keepdims=True) * noise / np.linalg.norm(noise, axis=1, keepdims=True)
+    for residual, structured in ((noise, False), (0.3 * delta_tok, True)):
+        tx = x + delta_tok
+        dec = decompose(x, tx + residual, tx)
+        null = null_residual(dec, u)
+        assert np.allclose(np.linalg.norm(null.residual, axis=1), np.linalg.norm(dec.residual, axis=1))
+        real = token_metrics(x, tx + residual, tx, dec)
+        nulls = null_metrics(dec, x, u, dominant_subspace(dec.delta_tok), 16)
+        gap = np.median(real["cos_full_tok"]) - np.median(nulls["cos_full_tok_null"])
+        if structured:
+            assert gap > 0.01 and np.median(real["angle_full_res"]) < 1
+        else:
+            assert abs(gap) < 0.005
+            assert abs(np.mean(real["angle_tok_res"] > 60) - np.mean(nulls["angle_tok_res_null"] > 60)) < 0.02
