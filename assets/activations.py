@@ -47,8 +47,9 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
                                          last_block=max(layers)):
                 text = token_rows(lm.tokenizer, batch.input_ids, 0, prov, batch.start)
                 for layer, sink in sinks.items():
+                    docs = sample.doc_index[batch.start : batch.start + len(batch.input_ids)]
                     sink.write(activation_rows(batch.states, batch.input_ids, batch.attention_mask, layer,
-                                               cfg, prov, batch.start))
+                                               cfg, prov, docs, batch.start))
                     token_sinks[layer].write(text.set_column(0, "layer", pa.array([layer] * len(text), pa.int32())))
         n_check = min(lens.checks.hidden_state_sequences, len(sample.input_ids))
         heads = {}

@@ -20,6 +20,7 @@ from updatelens.analysis import (
     functional_rows,
     functional_tables_from_rows,
     layer_data,
+    sample_docs,
     single_positions,
 )
 from updatelens.capture import block_output_is_tuple
@@ -76,7 +77,8 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
             stored_fm = written.add(store.partition("functional_metrics", model, layer), fm)
             stored_fs = written.add(store.partition("functional_summary", model, layer), fs)
             written.add(store.partition("functional_bootstrap", model, layer),
-                        functional_bootstrap_table(stored_fm, cfg, prov, layer))
+                        functional_bootstrap_table(stored_fm, cfg, prov, layer,
+                                                   sample_docs(store.partition("activations", model, layer).read(["seq", "doc"]))))
             for row in stored_fs.to_pylist():
                 if row["variant"] == "patch":
                     written.note(model, layer, **{f"kl_mean_{row['fn_class']}": row["kl_mean"],

@@ -9,7 +9,7 @@ import dagster as dg
 from updatelens.assets import checks
 from updatelens.assets.common import Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.analysis import LayerGeometry
+from updatelens.analysis import LayerGeometry, sample_docs
 from updatelens.tables import Provenance
 
 
@@ -25,10 +25,11 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.
             for table in ("local_fits", "residuals"):  # lineage and config check
                 check_upstream(store, table, model, layer, cfg)
             blocks = seq_blocks(cfg)
+            docs = sample_docs(store.partition("activations", model, layer).read(["seq", "doc"]))
             geo = None
             for lo, hi in blocks:
                 data, fits = read_block(store, model, layer, lo, hi)
-                geo = geo or LayerGeometry(cfg, list(fits), data.x_full.shape[-1])
+                geo = geo or LayerGeometry(cfg, list(fits), data.x_full.shape[-1], docs)
                 geo.accumulate(data, fits)
             assert geo is not None
             geo.finish()

@@ -100,4 +100,4 @@ class UpdateLensResource(dg.ConfigurableResource):
     def sample(self, lm: LoadedModel) -> Sample:
         cfg = self.config()
         entry = get_corpus(self.corpus, Path(self.registry))
-        return make_sample(entry, lm.tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset)
+        return make_sample(entry, lm.tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset, cfg.windows_per_doc)

@@ -181,7 +181,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     device = cfg.device
     lm = load_model(get_model("smollm2-135m"), device=device)
-    sample = make_sample(get_corpus("wiki-embedded"), lm.tokenizer, cfg.n_seq, cfg.seq_len)
+    sample = make_sample(get_corpus("wiki-embedded"), lm.tokenizer, cfg.n_seq, cfg.seq_len, 0, cfg.windows_per_doc)
     records = [bench.bench_capture(lm, sample.input_ids[:8])]
     cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
     kept = kept_mask(sample.attention_mask, True)

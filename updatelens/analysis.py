@@ -17,9 +17,9 @@ import pyarrow.compute as pc
 
 from updatelens.bootstrap import (
     TOKEN_STATISTICS,
+    sequence_counts,
     geometry_replicates,
     gram_effective_ranks,
-    replicate_counts,
     replicate_grams,
     row_weights,
     weighted_spearman,
@@ -58,14 +58,16 @@ def provenance(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig) -> Provenan
 
 # ---- stage 1: activations -----------------------------------------------------------------------
 def activation_rows(states: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray, layer: int,
-                    cfg: AnalysisConfig, prov: Provenance, seq_offset: int = 0) -> pa.Table:
+                    cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray, seq_offset: int = 0) -> pa.Table:
     """Transition l for a batch of sequences: x = h_l, y = h_{l+1}, every position (kept flags the
-    ones in statistics). `states` [L+1, b, T, d]; the rows are sequences seq_offset.. of the sample."""
+    ones in statistics). `states` [L+1, b, T, d]; the rows are sequences seq_offset.. of the sample,
+    `docs` [b] the document each was cut from."""
     n_seq, seq_len = input_ids.shape
     kept = kept_mask(attention_mask, cfg.skip_first_position)
     d = states.shape[-1]
     cols = {
         "seq": pa.array(np.repeat(np.arange(seq_offset, seq_offset + n_seq), seq_len), pa.int32()),
+        "doc": pa.array(np.repeat(np.asarray(docs), seq_len), pa.int32()),
         "pos": pa.array(np.tile(np.arange(seq_len), n_seq), pa.int32()),
         "token_id": pa.array(input_ids.reshape(-1), pa.int64()),
         "attention_mask": pa.array(attention_mask.reshape(-1), pa.int8()),
@@ -97,9 +99,9 @@ def token_rows(tokenizer: object, input_ids: np.ndarray, layer: int, prov: Prove
     return with_provenance(cols, prov, layer)
 
 
-def activations_table(cap: Captured, layer: int, cfg: AnalysisConfig, prov: Provenance) -> pa.Table:
-    """Transition l of a whole in-memory capture (notebooks, sweeps)."""
-    return activation_rows(cap.states, cap.input_ids, cap.attention_mask, layer, cfg, prov)
+def activations_table(cap: Captured, layer: int, cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray) -> pa.Table:
+    """Transition l of a whole in-memory capture (notebooks, sweeps); `docs`: the sample's doc_index."""
+    return activation_rows(cap.states, cap.input_ids, cap.attention_mask, layer, cfg, prov, docs)
 
 
 @dataclass
@@ -112,6 +114,7 @@ class LayerData:
     x_full: np.ndarray  # [n_seq, T, d]
     y_full: np.ndarray  # [n_seq, T, d]
     seq_offset: int = 0  # sample index of the first sequence (a block of the sample starts later)
+    docs: np.ndarray | None = None  # [n_seq] the document of each sequence (None: each its own)
 
     @property
     def x(self) -> np.ndarray:
@@ -128,6 +131,12 @@ class LayerData:
     @property
     def pos(self) -> np.ndarray:
         return np.nonzero(self.kept)[1].astype(np.int32)
+
+    @property
+    def doc(self) -> np.ndarray:
+        """The document of each kept token (its sequence's number where documents are unknown)."""
+        rows = np.nonzero(self.kept)[0]
+        return (self.docs[rows] if self.docs is not None else rows + self.seq_offset).astype(np.int32)
 
 
 def layer_data(table: pa.Table) -> LayerData:
@@ -148,6 +157,7 @@ def layer_data(table: pa.Table) -> LayerData:
         x_full=x.reshape(n_seq, seq_len, d),
         y_full=y.reshape(n_seq, seq_len, d),
         seq_offset=first,
+        docs=table["doc"].to_numpy().reshape(n_seq, seq_len)[:, 0].copy() if "doc" in table.column_names else None,
     )
 
 
@@ -160,6 +170,7 @@ class Transition:
     y: np.ndarray  # [N, d] float32
     seq: np.ndarray  # [N] int32
     pos: np.ndarray  # [N] int32
+    doc: np.ndarray  # [N] int32: the document each token's window was cut from
 
 
 def transition_from_parts(parts: Iterable[pa.Table], n_kept: int) -> Transition:
@@ -168,6 +179,7 @@ def transition_from_parts(parts: Iterable[pa.Table], n_kept: int) -> Transition:
     x = y = None
     seq = np.empty(n_kept, np.int32)
     pos = np.empty(n_kept, np.int32)
+    doc = np.empty(n_kept, np.int32)
     filled, layer, last = 0, -1, -1
     for part in parts:
         kept = part["kept"].to_numpy(zero_copy_only=False)
@@ -186,10 +198,11 @@ def transition_from_parts(parts: Iterable[pa.Table], n_kept: int) -> Transition:
         x[filled : filled + m], y[filled : filled + m] = xs, ys
         seq[filled : filled + m] = part["seq"].to_numpy()[kept]
         pos[filled : filled + m] = part["pos"].to_numpy()[kept]
+        doc[filled : filled + m] = (part["doc"] if "doc" in part.column_names else part["seq"]).to_numpy()[kept]
         filled += m
     if x is None or y is None or filled != n_kept:
         raise ValueError(f"activations hold {filled} kept tokens, expected {n_kept}")
-    return Transition(layer, x, y, seq, pos)
+    return Transition(layer, x, y, seq, pos, doc)
 
 
 # ---- stage 2: local fits ------------------------------------------------------------------------
@@ -197,8 +210,11 @@ def layer_neighbours(data: LayerData | Transition, cfg: AnalysisConfig) -> np.nd
     """The k nearest tokens of every kept token, when a local class needs them."""
     if not any(c in LOCAL_CLASSES for c in cfg.classes):
         return None
-    return knn(data.x, data.seq, cfg.k, cfg.metric, cfg.exclusion, cfg.index, cfg.seed, cfg.device,
-               cfg.ann_threshold)
+    # document exclusion: the sequence exclusion's mechanism over documents (every token of the
+    # anchor's group is dropped), so a fit never borrows the anchor's article
+    groups = data.doc if cfg.exclusion == "document" else data.seq
+    exclusion = "sequence" if cfg.exclusion == "document" else cfg.exclusion
+    return knn(data.x, groups, cfg.k, cfg.metric, exclusion, cfg.index, cfg.seed, cfg.device, cfg.ann_threshold)
 
 
 def compute_fits(data: LayerData | Transition, cfg: AnalysisConfig) -> tuple[dict[str, LayerFit], np.ndarray | None]:
@@ -280,6 +296,28 @@ def residuals_table(data: LayerData, fits: dict[str, LayerFit], prov: Provenance
     return pa.concat_tables(parts)
 
 
+# ---- the bootstrap's unit -----------------------------------------------------------------------
+def resample_counts(cfg: AnalysisConfig, docs: np.ndarray) -> np.ndarray:
+    """[bootstrap, n_seq] multiplicity of each sample sequence in each resample: documents drawn with
+    replacement (`bootstrap_unit="document"`, the independent unit) or sequences. `docs`: the
+    document of each sample sequence."""
+    units = np.asarray(docs) if cfg.bootstrap_unit == "document" else np.arange(cfg.n_seq)
+    if len(units) != cfg.n_seq:
+        raise ValueError(f"{len(units)} sequences' documents given, the sample has {cfg.n_seq}")
+    return sequence_counts(units, cfg.bootstrap, cfg.seed)
+
+
+def sample_docs(data: LayerData | pa.Table) -> np.ndarray:
+    """The document of each sample sequence, from a whole layer's data or its activations' `seq` and
+    `doc` columns."""
+    if isinstance(data, LayerData):
+        return data.docs if data.docs is not None else np.arange(data.kept.shape[0]) + data.seq_offset
+    seq, doc = data["seq"].to_numpy(), data["doc"].to_numpy()
+    out = np.empty(int(seq.max()) + 1, np.int64)
+    out[seq] = doc
+    return out
+
+
 # ---- stage 4: geometry --------------------------------------------------------------------------
 WHICH = ("full", "tok", "res")
 # the spectra of the null (docs/method.md, "Nulls"): Δ_full and r when each residual keeps its length
@@ -295,9 +333,9 @@ class LayerGeometry:
     resample for the spectra), `finish`, then `token_table` every block (per-token geometry against
     the dominant tokenwise subspace); `spectra_table` and `bootstrap_table` once at the end."""
 
-    def __init__(self, cfg: AnalysisConfig, classes: list[str], d: int) -> None:
+    def __init__(self, cfg: AnalysisConfig, classes: list[str], d: int, docs: np.ndarray) -> None:
         self.cfg = cfg
-        self.counts = replicate_counts(cfg.n_seq, cfg.bootstrap, cfg.seed)
+        self.counts = resample_counts(cfg, docs)
         self.n_spec = min(cfg.bootstrap_spectra, cfg.bootstrap)
         self.grams = {(c, w): np.zeros((d, d)) for c in classes for w in WHICH + NULL_WHICH}
         self.replicate_grams = {(c, w): np.zeros((self.n_spec, d, d)) for c in classes for w in WHICH + NULL_WHICH}
@@ -385,7 +423,7 @@ def geometry_tables(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisCon
                     prov: Provenance) -> tuple[pa.Table, pa.Table, pa.Table]:
     """Per-token geometry, the per-layer singular spectra of Δ_full, Δ_tok and r, and the per-layer
     statistics of the findings on every bootstrap resample of the sequences: a whole layer in memory."""
-    geo = LayerGeometry(cfg, list(fits), data.x_full.shape[-1])
+    geo = LayerGeometry(cfg, list(fits), data.x_full.shape[-1], sample_docs(data))
     geo.accumulate(data, fits)
     geo.finish()
     tokens = geo.token_table(data, fits, prov)
@@ -544,11 +582,12 @@ def _replicate_spearman(part: pa.Table, counts: np.ndarray) -> tuple[np.ndarray,
     return rho_rel, rho_norm
 
 
-def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenance, layer: int) -> pa.Table:
-    """Spearman(error, KL) of the main patch on every bootstrap resample of the sequences, and its null:
-    the same Spearman with the KL of the random control (the output moved as far in a random
-    direction), for the class the controls use (NaN for the others)."""
-    counts = replicate_counts(cfg.n_seq, cfg.bootstrap, cfg.seed)
+def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenance, layer: int,
+                               docs: np.ndarray) -> pa.Table:
+    """Spearman(error, KL) of the main patch on every bootstrap resample, and its null: the same
+    Spearman with the KL of the random control (the output moved as far in a random direction), for
+    the class the controls use (NaN for the others). `docs`: the document of each sample sequence."""
+    counts = resample_counts(cfg, docs)
     parts = []
     patch = fm.filter(pc.equal(fm["variant"], "patch"))
     random = fm.filter(pc.equal(fm["variant"], "random"))
@@ -598,7 +637,7 @@ def analyse_layer(lm: LoadedModel, data: LayerData, orig: OriginalOutput, cfg: A
         fm, fs = functional_tables(lm, data, fits, orig, cfg, prov, returns_tuple)
         out["functional_metrics"], out["functional_summary"] = fm, fs
         if "functional_bootstrap" in tables:
-            out["functional_bootstrap"] = functional_bootstrap_table(fm, cfg, prov, data.layer)
+            out["functional_bootstrap"] = functional_bootstrap_table(fm, cfg, prov, data.layer, sample_docs(data))
     return {name: out[name] for name in TABLES if name in tables and name in out}
 
 
@@ -610,7 +649,7 @@ def analyse_model(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig,
     cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
     orig = original_output(lm, sample.input_ids, cfg.patch_batch)
     for layer in layers if layers is not None else range(lm.n_layers):
-        act = activations_table(cap, layer, cfg, prov)
+        act = activations_table(cap, layer, cfg, prov, sample.doc_index)
         tables = {"activations": act, "tokens": token_rows(lm.tokenizer, sample.input_ids, layer, prov)}
         tables.update(analyse_layer(lm, layer_data(act), orig, cfg, prov, cap.block_returns_tuple))
         yield LayerResult(layer, tables)

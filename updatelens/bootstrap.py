@@ -24,6 +24,14 @@ def replicate_counts(n_seq: int, n_resamples: int, seed: int) -> np.ndarray:
     return rng.multinomial(n_seq, np.full(n_seq, 1.0 / n_seq), size=n_resamples).astype(np.float64)
 
 
+def sequence_counts(units_of_seq: np.ndarray, n_resamples: int, seed: int) -> np.ndarray:
+    """[n_resamples, n_seq] multiplicities of each sequence when a resample draws the independent units
+    (the documents the windows were cut from) with replacement: a sequence counts as often as its unit
+    was drawn. With every sequence its own unit this is `replicate_counts(n_seq, ...)`."""
+    _, unit = np.unique(np.asarray(units_of_seq), return_inverse=True)
+    return replicate_counts(int(unit.max()) + 1, n_resamples, seed)[:, unit]
+
+
 def row_weights(counts: np.ndarray, seq: np.ndarray, block: int = 32) -> Iterator[tuple[int, np.ndarray]]:
     """(first replicate, weights [b, n_rows]) for blocks of replicates: row i weighs counts[., seq[i]]."""
     for start in range(0, len(counts), block):

@@ -14,7 +14,8 @@ LOCAL_CLASSES = ("diagonal", "psd_diagonal", "lowrank", "orthogonal")
 GLOBAL_CLASSES = ("global_linear", "mlp")
 FN_CLASSES = LOCAL_CLASSES + GLOBAL_CLASSES
 METRICS = ("cosine_centered", "cosine", "l2")
-EXCLUSIONS = ("sequence", "self", "none")
+EXCLUSIONS = ("document", "sequence", "self", "none")
+UNITS = ("document", "sequence")  # what a bootstrap resample draws
 INDEXES = ("auto", "exact", "clustered", "ivf", "ivf_batch", "hnsw")
 DTYPES = ("float64", "float32")
 PATCH_MODES = ("all", "single")
@@ -46,11 +47,14 @@ class AnalysisConfig:
     n_seq: int = 16
     seq_len: int = 128
     corpus_offset: int = 0  # number of corpus windows skipped before the sample starts
+    # at most this many windows from one document (0: no limit): windows of one article are not
+    # independent, so the sample spreads over documents (the default 16 windows: 16 articles)
+    windows_per_doc: int = 1
     skip_first_position: bool = True  # drop position 0 (the attention sink) from every statistic
     # neighbours
     k: int = 64
     metric: str = "cosine_centered"
-    exclusion: str = "sequence"
+    exclusion: str = "document"  # the anchor's own document is never its neighbour
     # "auto": exact search up to ann_threshold kept tokens per layer, the clustered approximate index
     # above (exact search costs N^2 d; `updatelens bench --only knn` measures both against N)
     index: str = "auto"
@@ -77,6 +81,7 @@ class AnalysisConfig:
     # eigendecompositions per class and layer: about 25 ms each for d = 576 on this 2-core machine)
     bootstrap: int = 200
     bootstrap_spectra: int = 0
+    bootstrap_unit: str = "document"  # the independent unit a resample draws with replacement
     # functional metrics
     patch_mode: str = "all"
     single_positions: int = 4  # positions per sequence in "single" patch mode
@@ -135,8 +140,9 @@ class AnalysisConfig:
         if self.k < 1:
             bad(f"k must be >= 1, got {self.k}")
         n_kept_per_seq = self.seq_len - (1 if self.skip_first_position else 0)
-        candidates = self.n_seq * n_kept_per_seq - {"sequence": n_kept_per_seq, "self": 1, "none": 0}[
-            self.exclusion]
+        doc_windows = min(self.windows_per_doc or self.n_seq, self.n_seq)
+        candidates = self.n_seq * n_kept_per_seq - {"document": doc_windows * n_kept_per_seq,
+                                                    "sequence": n_kept_per_seq, "self": 1, "none": 0}[self.exclusion]
         if any(c in LOCAL_CLASSES for c in self.classes) and self.k >= candidates:
             bad(f"k={self.k} must be below the number of candidate neighbours ({candidates} = kept "
                 f"tokens minus those excluded by exclusion={self.exclusion!r}); lower k or sample "
@@ -153,6 +159,10 @@ class AnalysisConfig:
             if self.n_seq < self.folds:
                 bad(f"n_seq={self.n_seq} is below folds={self.folds}: each fold needs a held-out "
                     f"sequence")
+        if self.windows_per_doc < 0:
+            bad(f"windows_per_doc must be >= 0 (0: no limit), got {self.windows_per_doc}")
+        if self.bootstrap_unit not in UNITS:
+            bad(f"unknown bootstrap_unit {self.bootstrap_unit!r}; choose from {', '.join(UNITS)}")
         if self.bootstrap < 0 or self.bootstrap_spectra < 0:
             bad(f"bootstrap and bootstrap_spectra must be >= 0, got {self.bootstrap}, {self.bootstrap_spectra}")
         if self.bootstrap_spectra > self.bootstrap:
@@ -240,7 +250,7 @@ def _check_type(name: str, default: object, value: object) -> None:
 # 130,048 kept tokens per layer), the default classes and controls, intervals for every finding.
 PRESETS: dict[str, dict[str, object]] = {
     "study": {"n_seq": 1024, "seq_len": 128, "classes": ["diagonal", "lowrank"], "controls": ["random", "crude"],
-              "bootstrap": 200, "bootstrap_spectra": 50},
+              "bootstrap": 200, "bootstrap_spectra": 50, "windows_per_doc": 16},
 }
 
 

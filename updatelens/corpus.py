@@ -150,8 +150,10 @@ def read_documents(entry: CorpusEntry) -> Iterator[str]:
         yield from read_hub_dataset(entry)
 
 
-def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int, offset: int = 0) -> Sample:
-    """Tokenise documents in order and cut non-overlapping windows of seq_len tokens."""
+def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int, offset: int = 0,
+                windows_per_doc: int = 0) -> Sample:
+    """Tokenise documents in order and cut non-overlapping windows of seq_len tokens, at most
+    `windows_per_doc` of them from one document (0: every window)."""
     need = offset + n_seq
     windows: list[list[int]] = []
     doc_of: list[int] = []
@@ -162,7 +164,8 @@ def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int,
             n_docs += 1
             ids = tokenizer(doc, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
             total_tokens += len(ids)
-            for start in range(0, len(ids) - seq_len + 1, seq_len):
+            starts = range(0, len(ids) - seq_len + 1, seq_len)
+            for start in starts[:windows_per_doc] if windows_per_doc else starts:
                 windows.append(ids[start : start + seq_len])
                 doc_of.append(d_idx)
                 if len(windows) >= need:
@@ -174,12 +177,15 @@ def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int,
     if len(windows) < need:
         raise CorpusError(f"corpus {entry.slug!r} is too short: it yields {len(windows)} windows of "
                           f"{seq_len} tokens ({total_tokens} tokens read), the sample needs "
-                          f"offset {offset} + n_seq {n_seq} = {need}; lower n_seq or seq_len")
+                          f"offset {offset} + n_seq {n_seq} = {need}"
+                          + (f" with at most {windows_per_doc} per document (windows_per_doc)" if windows_per_doc else "")
+                          + "; lower n_seq or seq_len" + (", or raise windows_per_doc" if windows_per_doc else ""))
     ids = np.asarray(windows[offset:need], dtype=np.int64)
     return Sample(
         corpus=entry.slug,
         input_ids=ids,
         attention_mask=np.ones_like(ids),
         doc_index=np.asarray(doc_of[offset:need], dtype=np.int64),
-        slice_desc=f"{entry.slug}[w{offset}:{need},len{seq_len}]",
+        slice_desc=f"{entry.slug}[w{offset}:{need},len{seq_len}" + (f",per_doc{windows_per_doc}" if windows_per_doc else "")
+        + "]",
     )

@@ -130,7 +130,7 @@ def sweep(lm: LoadedModel, sample: Sample, runs: Sequence[SweepRun], layers: Seq
     cap = capture(lm, sample.input_ids, sample.attention_mask, base.capture_batch)
     orig = original_output(lm, sample.input_ids, base.patch_batch)
     for layer in layers:
-        data = layer_data(activations_table(cap, layer, base, provenance(lm, sample, base)))
+        data = layer_data(activations_table(cap, layer, base, provenance(lm, sample, base), sample.doc_index))
         for run in runs:
             write(run, layer, analyse_layer(lm, data, orig, run.config, provenance(lm, sample, run.config),
                                             cap.block_returns_tuple, SWEEP_TABLES))

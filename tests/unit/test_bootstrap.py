@@ -79,3 +79,16 @@ def test_replicate_spectra_equal_the_svd_of_the_resample() -> None:
         np.testing.assert_allclose(grams[i], v[idx].T @ v[idx], rtol=1e-10, atol=1e-10)
         np.testing.assert_allclose(ranks[i], spectrum(v[idx]).effective_rank, rtol=1e-9)
     assert effective_rank(np.zeros((1, 3)))[0] == 0.0
+
+
+def test_a_resample_draws_documents_whole() -> None:
+    from updatelens.bootstrap import sequence_counts
+
+    docs = np.array([4, 4, 4, 9, 9, 12])
+    counts = sequence_counts(docs, 300, seed=1)
+    assert counts.shape == (300, 6)
+    assert np.all(counts[:, 0] == counts[:, 1]) and np.all(counts[:, 1] == counts[:, 2])  # one article, one draw
+    assert np.all(counts[:, 3] == counts[:, 4])
+    per_doc = counts[:, [0, 3, 5]]
+    assert np.all(per_doc.sum(axis=1) == 3)  # three documents drawn with replacement
+    np.testing.assert_array_equal(sequence_counts(np.arange(6), 50, 3), replicate_counts(6, 50, 3))  # sequences as units

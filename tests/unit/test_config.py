@@ -8,7 +8,9 @@ from updatelens.errors import ConfigError
 BAD = [
     (dict(classes=("diagonal", "spline")), "unknown function class 'spline'"),
     (dict(metric="manhattan"), "unknown metric"),
-    (dict(exclusion="document"), "unknown neighbour exclusion"),
+    (dict(exclusion="article"), "unknown neighbour exclusion"),
+    (dict(bootstrap_unit="token"), "unknown bootstrap_unit"),
+    (dict(windows_per_doc=-1), "windows_per_doc must be >= 0"),
     (dict(n_seq=2, seq_len=8, k=64), "candidate neighbours"),
     (dict(classes=("lowrank",), rank=32), "rank=32 must be below d_model=32"),
     (dict(classes=("mlp",), n_seq=1), "n_seq=1 is below folds=2"),

@@ -48,3 +48,19 @@ def test_bad_text_files_are_rejected(tmp_path: Path) -> None:
         read_text_file(empty)
     with pytest.raises(CorpusError, match="binary"):
         read_text_file(binary)
+
+
+def test_windows_per_document_spread_the_sample_over_documents(monkeypatch: pytest.MonkeyPatch) -> None:
+    from updatelens import corpus
+
+    docs = [" ".join(f"d{d}w{i}" for i in range(45)) for d in range(6)]  # 4 windows of 10 words each
+    monkeypatch.setattr(corpus, "read_documents", lambda entry: (d for d in docs))
+    entry = CorpusEntry("c", "embedded")
+    every = make_sample(entry, WordTokenizer(), n_seq=8, seq_len=10)
+    assert every.doc_index.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    spread = make_sample(entry, WordTokenizer(), n_seq=6, seq_len=10, windows_per_doc=1)
+    assert spread.doc_index.tolist() == [0, 1, 2, 3, 4, 5] and spread.slice_desc == "c[w0:6,len10,per_doc1]"
+    two = make_sample(entry, WordTokenizer(), n_seq=5, seq_len=10, windows_per_doc=2)
+    assert two.doc_index.tolist() == [0, 0, 1, 1, 2]
+    with pytest.raises(CorpusError, match="at most 1 per document .windows_per_doc.*raise windows_per_doc"):
+        make_sample(entry, WordTokenizer(), n_seq=7, seq_len=10, windows_per_doc=1)

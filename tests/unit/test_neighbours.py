@@ -142,3 +142,21 @@ def test_faiss_indexes_at_their_widest_setting_find_the_exact_neighbours(kind: s
     want = knn(x, groups, 5)
     recall = np.mean([len(set(a) & set(b)) / 5 for a, b in zip(got, want)])
     assert recall >= (1.0 if kind != "hnsw" else 0.99)
+
+
+def test_document_exclusion_never_takes_a_neighbour_from_the_anchors_article() -> None:
+    from updatelens.analysis import Transition, layer_neighbours
+    from updatelens.config import AnalysisConfig
+
+    rng = np.random.default_rng(0)
+    n_seq, per_seq, d = 6, 20, 8
+    seq = np.repeat(np.arange(n_seq), per_seq).astype(np.int32)
+    doc = np.repeat([0, 0, 1, 1, 2, 2], per_seq).astype(np.int32)  # two windows per article
+    x = rng.standard_normal((n_seq * per_seq, d)).astype(np.float32)
+    x[doc == 0] += 5  # an article's tokens are each other's nearest: the fit would borrow its context
+    data = Transition(0, x, x, seq, np.tile(np.arange(per_seq), n_seq).astype(np.int32), doc)
+    for exclusion, same in (("document", doc), ("sequence", seq)):
+        cfg = AnalysisConfig(n_seq=n_seq, seq_len=per_seq + 1, k=10, exclusion=exclusion, windows_per_doc=2)
+        neighbours = layer_neighbours(data, cfg)
+        assert neighbours is not None and not np.any(same[neighbours] == same[:, None])
+    assert np.any(doc[neighbours] == doc[:, None])  # sequence exclusion lets the article in
