@@ -17,7 +17,7 @@ import torch
 from upath import UPath
 
 from updatelens.assets.checks import CheckSettings
-from updatelens.storage.location import as_root
+from updatelens.storage.location import as_root, default_data_root
 from updatelens.storage.store import Store
 from updatelens.config import AnalysisConfig, json_object_env
 from updatelens.corpus import Sample, make_sample
@@ -59,10 +59,6 @@ def default_settings() -> Any:
         return AnalysisSettings()
     AnalysisConfig.from_dict(values)  # unknown or invalid settings fail here, with their names
     return AnalysisSettings(**values)
-
-
-def default_data_root() -> str:
-    return os.environ.get("UPDATELENS_DATA", str(Path.cwd() / "data"))
 
 
 class UpdateLensResource(dg.ConfigurableResource):

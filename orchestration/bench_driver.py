@@ -147,7 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from updatelens.assets.resources import default_data_root
+    from updatelens.storage.location import default_data_root
     from updatelens.storage.location import is_url
     from updatelens import bench
     from updatelens.capture import capture, kept_mask

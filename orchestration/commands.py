@@ -342,8 +342,8 @@ def _peak_rss_gib() -> float:
 def cmd_sql(args: argparse.Namespace) -> int:
     import duckdb
 
-    from updatelens.assets.resources import default_data_root
     from updatelens.storage import catalog
+    from updatelens.storage.location import default_data_root
 
     root = args.data_root or default_data_root()
     try:
@@ -358,14 +358,14 @@ def cmd_sql(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Every stored partition file checked against its manifest; damaged ones listed and, with --repair,
     moved to <root>/_quarantine/ (the next `updatelens run` recomputes them); incomplete layers listed."""
-    from updatelens.assets.resources import default_data_root
     from updatelens.storage import catalog
     from updatelens.storage.integrity import incomplete_layers, quarantine
+    from updatelens.storage.location import default_data_root
     from updatelens.storage.store import Store
     from updatelens.stages import TABLES
 
     root = args.data_root or default_data_root()
-    damaged = catalog.verify_root(root).damaged
+    damaged = catalog.verify_root(root, full=True).damaged  # every checksum recomputed
     for d in damaged:
         print(f"damaged: {d.path}: {d.reason}")
         if args.repair:

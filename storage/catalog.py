@@ -429,11 +429,12 @@ def missing_text(root: str | Path, good: dict[str, list[str]]) -> list[Damaged]:
             for model, layer in wanting]
 
 
-def verify_root(root: str | Path) -> Verified:
-    """Every partition file of every family under the root, checked (storage.integrity)."""
-    main, damaged = scan(root, TABLES)
-    sweeps, sweep_damaged = scan(root, SWEEP_TABLES, f"{SWEEPS}/config=*/")
-    convergence, conv_damaged = scan(root, TABLES, f"{CONVERGENCE}/n_seq=*/")
+def verify_root(root: str | Path, full: bool = False) -> Verified:
+    """Every partition file of every family under the root, checked (storage.integrity; `full`: every
+    checksum recomputed, as `updatelens verify` does)."""
+    main, damaged = scan(root, TABLES, full=full)
+    sweeps, sweep_damaged = scan(root, SWEEP_TABLES, f"{SWEEPS}/config=*/", full)
+    convergence, conv_damaged = scan(root, TABLES, f"{CONVERGENCE}/n_seq=*/", full)
     return Verified(main, sweeps, convergence, damaged + sweep_damaged + conv_damaged, missing_text(root, main))
 
 

@@ -131,7 +131,8 @@ def sha256_of(path: str | Path) -> str:
 def write_manifest(file: Path, table: str, rows: int, provenance: dict[str, object]) -> Path:
     """The manifest of a just-written local partition file, beside it (fsynced). `provenance` names
     the partition it holds (model, layer) and its rows' config_id and code_version."""
-    entry = {"file": file.name, "table": table, "rows": rows, "bytes": file.stat().st_size,
+    info = file.stat()
+    entry = {"file": file.name, "table": table, "rows": rows, "bytes": info.st_size, "mtime_ns": info.st_mtime_ns,
              "sha256": sha256_of(file), **provenance,
              "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     target = file.parent / MANIFEST
@@ -159,9 +160,12 @@ def read_manifest(file: str | Path) -> dict | None:
 _verified: dict[tuple[str, int, int, tuple[int, int] | None], str | None] = {}
 
 
-def partition_error(file: str | Path) -> str | None:
+def partition_error(file: str | Path, full: bool = False) -> str | None:
     """Why a stored partition file cannot be trusted (None: listed in its manifest with this size
-    and checksum, and its footer reads)."""
+    and checksum, and its footer reads). A local file whose size and modification time are still the
+    ones its manifest recorded when it was written is not hashed again unless `full` (`updatelens
+    verify`): any write to it changes its mtime; only damage below the file system (a bit rotting on
+    disk) waits for `verify`."""
     path = as_root(file)
     try:
         info = path.stat()
@@ -173,14 +177,14 @@ def partition_error(file: str | Path) -> str | None:
     except FileNotFoundError:
         manifest_stamp = None
     key = (url(path), int(info.st_size), int(getattr(info, "st_mtime_ns", 0) or 0), manifest_stamp)
-    if is_local(path) and key in _verified:
+    if is_local(path) and key in _verified and not full:
         return _verified[key]
     entry = read_manifest(path)
     if entry is None:
         reason: str | None = "not listed in a manifest (written by hand, by an older version, or its manifest is lost)"
     elif entry.get("bytes") != info.st_size:
         reason = f"{info.st_size} bytes, its manifest says {entry.get('bytes')} (truncated or replaced)"
-    elif entry.get("sha256") != sha256_of(path):
+    elif (full or not is_local(path) or entry.get("mtime_ns") != info.st_mtime_ns) and entry.get("sha256") != sha256_of(path):
         reason = "content differs from its manifest's SHA-256 (damaged on disk or in a copy)"
     else:
         reason = footer_error(path, entry.get("rows"))
@@ -195,7 +199,8 @@ def _key(value: str) -> str:
     return value.split("=", 1)[1]
 
 
-def scan(root: str | Path, tables: tuple[str, ...], prefix: str = "") -> tuple[dict[str, list[str]], list[Damaged]]:
+def scan(root: str | Path, tables: tuple[str, ...], prefix: str = "",
+         full: bool = False) -> tuple[dict[str, list[str]], list[Damaged]]:
     """The partition files of each table under `<root>/<prefix>` (prefix: "" for the main tables,
     "sweeps/config=*/" or "convergence/n_seq=*/" for a family of data roots) that verify, and those
     that do not."""
@@ -206,7 +211,7 @@ def scan(root: str | Path, tables: tuple[str, ...], prefix: str = "") -> tuple[d
     damaged: list[Damaged] = []
     for table in tables:
         for file in sorted(root.glob(f"{prefix}{table}/model=*/layer=*/*.parquet"), key=str):
-            reason = partition_error(file)
+            reason = partition_error(file, full)
             if reason is None:
                 good.setdefault(table, []).append(url(file))
             else:

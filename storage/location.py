@@ -25,6 +25,11 @@ STORAGE_OPTIONS_ENV = "UPDATELENS_STORAGE_OPTIONS"
 _DEFAULT_OPTIONS: dict[str, dict[str, object]] = {"s3": {"use_listings_cache": False}}
 
 
+def default_data_root() -> str:
+    """$UPDATELENS_DATA, or ./data."""
+    return os.environ.get("UPDATELENS_DATA", str(Path.cwd() / "data"))
+
+
 def is_url(root: str | os.PathLike[str]) -> bool:
     text = str(root)
     return "://" in text and not text.startswith("file://")

@@ -213,8 +213,7 @@ def layer_neighbours(data: LayerData | Transition, cfg: AnalysisConfig) -> np.nd
     # document exclusion: the sequence exclusion's mechanism over documents (every token of the
     # anchor's group is dropped), so a fit never borrows the anchor's article
     groups = data.doc if cfg.exclusion == "document" else data.seq
-    exclusion = "sequence" if cfg.exclusion == "document" else cfg.exclusion
-    return knn(data.x, groups, cfg.k, cfg.metric, exclusion, cfg.index, cfg.seed, cfg.device, cfg.ann_threshold)
+    return knn(data.x, groups, cfg.k, cfg.metric, cfg.exclusion, cfg.index, cfg.seed, cfg.device, cfg.ann_threshold)
 
 
 def compute_fits(data: LayerData | Transition, cfg: AnalysisConfig) -> tuple[dict[str, LayerFit], np.ndarray | None]:

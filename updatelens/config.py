@@ -246,11 +246,11 @@ def _check_type(name: str, default: object, value: object) -> None:
 
 
 # Named starting points for `updatelens run --preset NAME` (explicit settings override them).
-# study: a sample large enough for the paper's claims to settle (1024 windows of 128 tokens,
+# study: a sample large enough for the paper's claims to settle (1024 windows of 128 tokens, at most 12 per article,
 # 130,048 kept tokens per layer), the default classes and controls, intervals for every finding.
 PRESETS: dict[str, dict[str, object]] = {
     "study": {"n_seq": 1024, "seq_len": 128, "classes": ["diagonal", "lowrank"], "controls": ["random", "crude"],
-              "bootstrap": 200, "bootstrap_spectra": 50, "windows_per_doc": 16},
+              "bootstrap": 200, "bootstrap_spectra": 50, "windows_per_doc": 12},
 }
 
 

@@ -153,8 +153,11 @@ def clustered_search(v: np.ndarray, faiss_metric: int, search_k: int, seed: int 
     return found
 
 
+GROUP_EXCLUSIONS = ("document", "sequence")  # drop the anchor's whole group (the groups the caller passes)
+
+
 def exclusion_width(groups: np.ndarray, exclusion: str) -> int:
-    if exclusion == "sequence":
+    if exclusion in GROUP_EXCLUSIONS:
         return int(np.bincount(groups).max())
     return 1 if exclusion == "self" else 0
 
@@ -171,7 +174,8 @@ def knn(x: np.ndarray, groups: np.ndarray, k: int, metric: str = "cosine_centere
         ann_threshold: int = 32768) -> np.ndarray:
     """Indices [N, k] of each token's k nearest neighbours, nearest first.
 
-    exclusion: "sequence" drops every token of the anchor's own group (its sequence), "self" only
+    exclusion: "document" or "sequence" drops every token of the anchor's own group (`groups`: its
+    document, or its sequence, as the caller passes them), "self" only
     the anchor (the fit is evaluated at the anchor out of sample), "none" nothing: the anchor is
     then usually its own nearest neighbour and the fit sees it in sample. index: "exact" (faiss
     flat), "auto" (exact up to ann_threshold points, clustered above), or approximate: "clustered"
@@ -213,9 +217,9 @@ def select_neighbours(found: np.ndarray, v: np.ndarray, faiss_metric: int, group
     whose candidates run short (an approximate index) is searched again exactly."""
     rows = (np.arange(len(found)) if queries is None else np.asarray(queries))[:, None]
     drop = found < 0
-    if exclusion in ("sequence", "self"):
+    if exclusion in (*GROUP_EXCLUSIONS, "self"):
         drop |= found == rows
-    if exclusion == "sequence":
+    if exclusion in GROUP_EXCLUSIONS:
         drop |= groups[np.clip(found, 0, None)] == groups[rows]
     order = np.argsort(drop, axis=1, kind="stable")[:, :k]
     chosen = np.take_along_axis(found, order, axis=1)

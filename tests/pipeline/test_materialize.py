@@ -137,7 +137,7 @@ def test_every_row_records_its_configuration(run) -> None:
         assert sorted(frame["model"].to_list()) == MODELS, view
         assert set(frame["config_id"]) == {cfg.config_id}
         assert set(frame["k"]) == {8} and set(frame["rank"]) == {2} and set(frame["dtype"]) == {"float64"}
-        assert set(frame["corpus_slice"]) == {f"wiki-embedded[w0:{N_SEQ},len{SEQ_LEN}]"}
+        assert set(frame["corpus_slice"]) == {f"wiki-embedded[w0:{N_SEQ},len{SEQ_LEN},per_doc1]"}
 
 
 def test_rerun_of_one_partition_replaces_only_it(run) -> None:

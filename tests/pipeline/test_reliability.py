@@ -273,8 +273,10 @@ def deep_lens(zoo: Path, env: Path) -> UpdateLensResource:
     config = json.loads((deep / "config.json").read_text())
     (deep / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 12, "max_position_embeddings": 256}))
     registry = registry_with(zoo, env / "registry.toml", f'[models.deep-llama]\nsource = "local"\npath = "{deep}"\n')
+    # exclusion by sequence: the study preset's small sizes (2 or 4 windows of one article) leave no
+    # neighbour outside the anchor's document
     return UpdateLensResource(registry=str(registry), data_root=str(env / "data"), model="deep-llama",
-                              analysis=AnalysisSettings(n_seq=8, seq_len=16, k=4, rank=2))
+                              analysis=AnalysisSettings(n_seq=8, seq_len=16, k=4, rank=2, exclusion="sequence"))
 
 
 def test_the_disk_check_counts_the_layers_the_run_analyses(deep_lens: UpdateLensResource,
