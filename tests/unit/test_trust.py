@@ -241,3 +241,27 @@ def test_bad_run_input_is_refused_before_anything_is_created(zoo: Path, tmp_path
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no data root, no Dagster home
+
+
+def test_queries_hash_a_file_only_when_it_changed_and_verify_always(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from updatelens.storage import integrity
+
+    write_partition(tmp_path, "activations", "m", 3, rows(3))
+    file = partition_file(tmp_path, "activations", "m", 3)
+    hashed: list[str] = []
+    real = integrity.sha256_of
+    monkeypatch.setattr(integrity, "sha256_of", lambda path: hashed.append(str(path)) or real(path))
+    integrity._verified.clear()
+    assert partition_error(file) is None and hashed == []  # size and mtime as the manifest recorded them
+    assert partition_error(file, full=True) is None and len(hashed) == 1  # `verify`: every checksum
+    data = bytearray(file.read_bytes())
+    data[10] ^= 0x10  # a bit of the first data page flipped by a write: the mtime moves
+    file.write_bytes(bytes(data))
+    assert "SHA-256" in (partition_error(file) or "") and len(hashed) == 2
+    stat = file.stat()
+    entry = json.loads((file.parent / MANIFEST).read_text())
+    os.utime(file, ns=(stat.st_atime_ns, entry["mtime_ns"]))  # damage that kept the mtime: only verify sees it
+    integrity._verified.clear()
+    assert partition_error(file) is None
+    assert "SHA-256" in (partition_error(file, full=True) or "")
