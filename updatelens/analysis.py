@@ -39,6 +39,7 @@ from updatelens.geometry import (
     token_metrics,
 )
 from updatelens.models import LoadedModel
+from updatelens.single_position import all_single_position_kl, resolve_patch_mode
 from updatelens.neighbours import knn
 from updatelens.perturbation import (
     OriginalOutput,
@@ -451,8 +452,10 @@ def control_plan(cfg: AnalysisConfig) -> list[str]:
 
 def patched_pass_count(cfg: AnalysisConfig) -> int:
     """How many patched versions of a layer's output the functional stage runs: one per class and
-    one per control (each a forward pass from the layer on over every sequence)."""
-    return len(cfg.classes) + len(control_plan(cfg))
+    one per control (each a forward pass from the layer on over every sequence), plus the unpatched
+    stream the exact single-position effects run beside them (patch_mode "exact", and "auto" on the
+    attention models it resolves to "exact" for)."""
+    return len(cfg.classes) + len(control_plan(cfg)) + (cfg.patch_mode in ("auto", "exact"))
 
 
 def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConfig) -> list[Variant]:
@@ -500,7 +503,12 @@ def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit],
     `orig` covers the same sequences). `positions`: the sample's single-position pairs (patch_mode
     "single"), in sample sequence numbers."""
     variants = build_variants(data, fits, cfg)
-    if cfg.patch_mode == "all":
+    mode = resolve_patch_mode(lm, cfg.patch_mode)
+    if mode == "exact":  # every position's single-position effect, in one pass of 1 + len(variants) streams
+        kls = all_single_position_kl(lm, data.input_ids, data.layer, variants, data.y_full, orig,
+                                     cfg.patch_batch * 2, returns_tuple)
+        measured = data.kept
+    elif mode == "all":
         kls = patched_kl(lm, data.input_ids, data.layer, variants, orig, cfg.patch_batch, returns_tuple)
         measured = data.kept
     else:
@@ -521,7 +529,7 @@ def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit],
         fit = fits[variant.fn_class]
         err = token_metrics(data.x[rows_in_kept], data.y[rows_in_kept], fit.tx[rows_in_kept])
         raw = kl_grid[seq_idx, pos_idx]
-        out.append({"fn_class": variant.fn_class, "variant": variant.name,
+        out.append({"fn_class": variant.fn_class, "variant": variant.name, "patch_mode": mode,
                     "seq": (seq_idx + data.seq_offset).astype(np.int32), "pos": pos_idx.astype(np.int32),
                     "kl": np.maximum(raw, 0.0), "kl_raw": raw, "rel_err": err["rel_err"], "norm_res": err["norm_res"]})
     return out
@@ -535,6 +543,7 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
         merged.setdefault((str(row["fn_class"]), str(row["variant"])), []).append(row)
     token_parts, summary_parts = [], []
     for (fn_class, name), parts in merged.items():
+        mode = str(parts[0].get("patch_mode", cfg.patch_mode))  # as measured ("auto" resolved per model)
         col = {key: np.concatenate([p[key] for p in parts])
                for key in ("seq", "pos", "kl", "kl_raw", "rel_err", "norm_res")}
         kl = col["kl"]
@@ -542,7 +551,7 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
         token_parts.append(with_provenance({
             "fn_class": pa.array([fn_class] * n),
             "variant": pa.array([name] * n),
-            "patch_mode": pa.array([cfg.patch_mode] * n),
+            "patch_mode": pa.array([mode] * n),
             "seq": pa.array(col["seq"]),
             "pos": pa.array(col["pos"]),
             "kl": pa.array(kl),
@@ -554,7 +563,7 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
         summary_parts.append(with_provenance({
             "fn_class": pa.array([fn_class]),
             "variant": pa.array([name]),
-            "patch_mode": pa.array([cfg.patch_mode]),
+            "patch_mode": pa.array([mode]),
             "n_tokens": pa.array([n], pa.int32()),
             "kl_mean": pa.array([float(np.mean(kl)) if n else float("nan")]),
             "kl_median": pa.array([float(np.median(kl)) if n else float("nan")]),

@@ -18,7 +18,10 @@ EXCLUSIONS = ("document", "sequence", "self", "none")
 UNITS = ("document", "sequence")  # what a bootstrap resample draws
 INDEXES = ("auto", "exact", "clustered", "ivf", "ivf_batch", "hnsw")
 DTYPES = ("float64", "float32")
-PATCH_MODES = ("all", "single")
+# auto: "exact" where the architecture supports it (updatelens.single_position), else "all";
+# exact: every position's effect when it alone is patched (one pass of the unpatched and patched
+# streams); all: every position patched at once; single: one position per pass on a subsample
+PATCH_MODES = ("auto", "exact", "all", "single")
 CONTROLS = ("random", "crude", "identity")
 # settings that change how the work is batched, never the numbers: left out of config_id
 EXECUTION_KEYS = ("anchor_chunk", "patch_batch", "capture_batch", "kl_block")
@@ -83,7 +86,7 @@ class AnalysisConfig:
     bootstrap_spectra: int = 0
     bootstrap_unit: str = "document"  # the independent unit a resample draws with replacement
     # functional metrics
-    patch_mode: str = "all"
+    patch_mode: str = "auto"
     single_positions: int = 4  # positions per sequence in "single" patch mode
     controls: tuple[str, ...] = ("random", "crude")
     control_class: str = ""  # class whose residual the controls use; "" = the last class listed

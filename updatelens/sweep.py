@@ -32,7 +32,8 @@ from updatelens.stages import SWEEP_TABLES
 # Around the default: neighbour exclusion, k, rank and the function class. The alignment form, the
 # angle reference and the error measure need no extra run: every run measures them both ways.
 DEFAULT_GRID: dict[str, list[object]] = {
-    "exclusion": ["self", "none"],
+    "exclusion": ["sequence", "self", "none"],
+    "patch_mode": ["all"],  # every position patched at once, beside the exact single-position effects
     "k": [32, 128],
     "rank": [4, 16],
     "classes": [["psd_diagonal", "orthogonal"]],

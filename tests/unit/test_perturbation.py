@@ -153,7 +153,7 @@ def fake_fits(cap, layer, kept, shift: float) -> dict[str, LayerFit]:
 def test_functional_tables_cover_kept_tokens_and_controls(tiny_models: dict) -> None:
     lm = tiny_models["tiny-gpt2"]
     ids, cap = setup(lm, n=4, t=10)
-    cfg = AnalysisConfig(n_seq=4, seq_len=10, k=5, controls=("random", "crude", "identity"))
+    cfg = AnalysisConfig(n_seq=4, seq_len=10, k=5, controls=("random", "crude", "identity"), patch_mode="all")
     kept = kept_mask(np.ones_like(ids), True)
     layer = 1
     data = LayerData(layer, ids, kept, cap.states[layer], cap.states[layer + 1])
@@ -166,8 +166,10 @@ def test_functional_tables_cover_kept_tokens_and_controls(tiny_models: dict) -> 
     assert variants == ["patch", "patch", "random", "crude", "identity"]
     assert patched_pass_count(cfg) == len(build_variants(data, fits, cfg)) == 5
     # the crude control of a crude class that is the primary one would repeat the patch: not run
-    same = AnalysisConfig(n_seq=4, seq_len=10, k=5, classes=("diagonal",), controls=("random", "crude"))
+    same = AnalysisConfig(n_seq=4, seq_len=10, k=5, classes=("diagonal",), controls=("random", "crude"),
+                          patch_mode="all")
     assert patched_pass_count(same) == len(build_variants(data, {"diagonal": fits["diagonal"]}, same)) == 2
+    assert patched_pass_count(cfg.replace(patch_mode="exact")) == 6  # the unpatched stream beside them
     # KL is measured on kept tokens only: every sequence, positions 1..9
     assert len(fm) == 5 * 4 * 9 and min(fm["pos"].to_pylist()) == 1
     by = {(r["variant"], r["fn_class"]): r for r in fs.to_pylist()}
@@ -220,3 +222,34 @@ def test_original_output_resumed_from_a_captured_state_equals_the_full_forward(t
     noise = 10 * np.random.default_rng(1).standard_normal(cap.states[1].shape).astype(np.float32)
     moved = original_output(lm, ids, 2, resume=(0, cap.states[1] + noise))
     assert not torch.allclose(moved.logp, full.logp, atol=1e-5)
+
+
+@pytest.mark.parametrize("slug", ["tiny-gpt2", "tiny-llama", "tiny-neox"])
+def test_exact_single_position_effects_equal_patching_one_position_per_pass(tiny_models: dict, slug: str) -> None:
+    """One pass of the unpatched and patched streams (updatelens.single_position) against a forward
+    pass per patched position, at every position of every sequence, for two layers."""
+    from updatelens.single_position import all_single_position_kl, resolve_patch_mode
+
+    lm = tiny_models[slug]
+    assert resolve_patch_mode(lm, "auto") == "exact"
+    ids, cap = setup(lm, n=3, t=12)
+    rng = np.random.default_rng(1)
+    orig = original_output(lm, ids, 4)
+    positions = np.array([(s, p) for s in range(3) for p in range(1, 12)])
+    for layer in (0, lm.n_layers - 2):
+        y = cap.states[layer + 1]
+        variants = [Variant(name, "-", y + scale * rng.standard_normal(y.shape).astype(np.float32))
+                    for name, scale in (("patch", 0.5), ("random", 2.0))]
+        fast = all_single_position_kl(lm, ids, layer, variants, y, orig, batch=6)
+        brute = single_position_kl(lm, ids, layer, variants, y, positions, orig, 8)
+        for f, b in zip(fast, brute):
+            measured = ~np.isnan(b)
+            assert measured.sum() == 33 and np.all(b[measured] > 1e-6)
+            np.testing.assert_allclose(f[measured], b[measured], rtol=1e-4)
+
+
+def test_models_without_attention_fall_back_to_all_positions(tiny_models: dict) -> None:
+    from updatelens.single_position import resolve_patch_mode
+
+    assert resolve_patch_mode(tiny_models["tiny-mamba"], "auto") == "all"
+    assert resolve_patch_mode(tiny_models["tiny-mamba"], "single") == "single"
