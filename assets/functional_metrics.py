@@ -1,7 +1,8 @@
 """Stage 5: KL(p_orig || p_patched) with block l's output replaced by T(h_l), the controls, and
 Spearman(error, KL).
 
-The stage streams over blocks of `kl_block` sequences: a block's unpatched distributions are
+The stage streams over blocks of `kl_block` sequences (fewer where the vocabulary is large: see
+AnalysisConfig.kl_block_size): a block's unpatched distributions are
 computed once (resumed after the run's first layer from its captured output) and serve every
 layer of the run, then dropped, so memory holds kl_block x seq_len
 x vocabulary floats whatever the sample size; each layer's block of states and fits is read from
@@ -56,8 +57,9 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
         # is the reference every layer's identity patch is checked against
         reference = original_output(lm, input_ids[: lens.checks.identity_sequences], cfg.patch_batch)
         with progress(f"{model}: patched passes", n_seq * len(layers), "seq x layer") as bar:
-            for lo in range(0, n_seq, cfg.kl_block):
-                hi = min(n_seq, lo + cfg.kl_block)
+            block = cfg.kl_block_size(int(lm.model.config.get_text_config().vocab_size))
+            for lo in range(0, n_seq, block):
+                hi = min(n_seq, lo + block)
                 blocks = {layer: layer_data(store.partition("activations", model, layer).seqs(lo, hi))
                           for layer in layers}
                 orig = original_output(lm, input_ids[lo:hi], cfg.patch_batch, resume=(first, blocks[first].y_full),

@@ -21,7 +21,7 @@ from updatelens.storage.location import as_root, default_data_root
 from updatelens.storage.store import Store
 from updatelens.config import AnalysisConfig, json_object_env
 from updatelens.corpus import Sample, make_sample
-from updatelens.models import LoadedModel, load_model
+from updatelens.models import LoadedModel, load_model, window_bos
 from updatelens.registry import get_corpus, get_model, registry_path
 
 
@@ -96,4 +96,5 @@ class UpdateLensResource(dg.ConfigurableResource):
     def sample(self, lm: LoadedModel) -> Sample:
         cfg = self.config()
         entry = get_corpus(self.corpus, Path(self.registry))
-        return make_sample(entry, lm.tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset, cfg.windows_per_doc)
+        return make_sample(entry, lm.tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset, cfg.windows_per_doc,
+                           window_bos(lm.adapter, lm.tokenizer))

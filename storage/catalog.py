@@ -121,7 +121,7 @@ SELECT g.model, g.config_id, g.fn_class, g.layer, g.replicate, g.model_layers,
 FROM {geometry_bootstrap} g LEFT JOIN {functional_bootstrap} f USING (model, layer, config_id, fn_class, replicate)
 """
 
-FINDINGS_BY_CLASS_SQL = """
+FINDING_REPLICATES_SQL = """
 CREATE OR REPLACE VIEW {name} AS
 WITH stats AS ({stats}),
 b AS (
@@ -134,7 +134,14 @@ b AS (
     WINDOW w AS (PARTITION BY model, config_id, fn_class, replicate)
 ), f AS (
 {findings}
-), summary AS (
+)
+SELECT * FROM f
+"""
+
+FINDINGS_BY_CLASS_SQL = """
+CREATE OR REPLACE VIEW {name} AS
+WITH f AS (SELECT * FROM {replicates}),
+summary AS (
     SELECT model, config_id, fn_class, finding, any_value(statement) AS statement, any_value(measure) AS measure,
            any_value(threshold) AS threshold, any_value(op) AS op, any_value(bound) AS bound,
            any_value(threshold_source) AS threshold_source, any_value(null_source) AS null_source,
@@ -178,6 +185,35 @@ WITH best AS (
 )
 SELECT f.* FROM {by_class} f JOIN best USING (model, config_id, fn_class)
 ORDER BY model, config_id, finding
+"""
+
+# Every pair of models side by side, finding by finding (each model on its best class, every
+# configuration stored): both values with their intervals, their difference, and the difference's
+# 95% interval from resample b of one model against resample b of the other (independent samples,
+# so pairing the resamples by number is pairing two independent draws). Where a paper's claim says
+# which model should be higher (the larger model's Spearman in finding 4; the smaller model's
+# diagonal-lowrank gap in finding 5), the interval says whether the two models separate.
+ACROSS_MODELS_SQL = """
+CREATE OR REPLACE VIEW findings_across_models AS
+WITH best AS (SELECT model, config_id, fn_class, finding, value, ci_lo, ci_hi, verdict, n_layers FROM findings),
+reps AS (
+    SELECT r.model, r.config_id, r.finding, r.replicate, r.value
+    FROM finding_replicates r JOIN best USING (model, config_id, fn_class, finding) WHERE r.replicate >= 0
+)
+SELECT a.finding, a.model AS model_a, a.config_id AS config_a, a.fn_class AS class_a, a.n_layers AS layers_a,
+       a.value AS value_a, a.ci_lo AS ci_lo_a, a.ci_hi AS ci_hi_a, a.verdict AS verdict_a,
+       b.model AS model_b, b.config_id AS config_b, b.fn_class AS class_b, b.n_layers AS layers_b,
+       b.value AS value_b, b.ci_lo AS ci_lo_b, b.ci_hi AS ci_hi_b, b.verdict AS verdict_b,
+       a.value - b.value AS diff,
+       quantile_cont(ra.value - rb.value, 0.025) AS diff_ci_lo,
+       quantile_cont(ra.value - rb.value, 0.975) AS diff_ci_hi,
+       count(rb.value) AS n_resamples
+FROM best a JOIN best b ON a.finding = b.finding AND a.model < b.model
+LEFT JOIN reps ra ON ra.model = a.model AND ra.config_id = a.config_id AND ra.finding = a.finding
+LEFT JOIN reps rb ON rb.model = b.model AND rb.config_id = b.config_id AND rb.finding = b.finding
+                 AND rb.replicate = ra.replicate
+GROUP BY ALL
+ORDER BY a.finding, model_a, model_b
 """
 
 # How each finding moves with each convention. Three kinds of rows:
@@ -340,7 +376,8 @@ def findings_sql(prefix: str = "", with_replicates: bool = False) -> list[str]:
                                                       functional_bootstrap=f"{prefix}functional_bootstrap"))
         stats += f" UNION ALL BY NAME SELECT * FROM {prefix}layer_replicates"
     return [*statements,
-            FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", stats=stats, findings=findings_select()),
+            FINDING_REPLICATES_SQL.format(name=f"{prefix}finding_replicates", stats=stats, findings=findings_select()),
+            FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", replicates=f"{prefix}finding_replicates"),
             FINDINGS_SQL.format(name=f"{prefix}findings", by_class=f"{prefix}findings_by_class",
                                 layer_summary=f"{prefix}layer_summary")]
 
@@ -351,7 +388,7 @@ def sensitivity_sql() -> str:
     return SENSITIVITY_SQL.format(measures=measures)
 
 
-DERIVED_VIEWS = ("layer_summary", "layer_replicates", "findings_by_class", "findings")
+DERIVED_VIEWS = ("layer_summary", "layer_replicates", "finding_replicates", "findings_by_class", "findings")
 
 
 def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: str) -> list[str]:
@@ -364,7 +401,8 @@ def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: st
         replicates = {"geometry_bootstrap", "functional_bootstrap"} <= present
         for statement in findings_sql(prefix, replicates):
             con.execute(statement)
-        views += [f"{prefix}layer_replicates"] * replicates + [f"{prefix}findings_by_class", f"{prefix}findings"]
+        views += [f"{prefix}layer_replicates"] * replicates + [f"{prefix}finding_replicates", f"{prefix}findings_by_class",
+                                                               f"{prefix}findings"]
     for name in DERIVED_VIEWS:
         if f"{prefix}{name}" not in views:
             con.execute(f"DROP VIEW IF EXISTS {prefix}{name}")
@@ -466,6 +504,11 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[lis
     conv_files = {t: f for t, f in verified.convergence.items() if t != "activations"}  # results, not states
     converged = _family_views(con, conv_files, TABLES, "conv_", CONV_HIVE, "* EXCLUDE (n_seq)")
     views += [f"conv_{t}" for t in TABLES if t in converged] + _create_family(con, converged, "conv_")
+    if "findings" in views:
+        con.execute(ACROSS_MODELS_SQL)
+        views.append("findings_across_models")
+    else:
+        con.execute("DROP VIEW IF EXISTS findings_across_models")
     if "conv_findings_by_class" in views and "conv_geometry_bootstrap" in views:
         con.execute(CONVERGENCE_SQL)
         views.append("convergence")

@@ -24,7 +24,7 @@ DTYPES = ("float64", "float32")
 PATCH_MODES = ("auto", "exact", "all", "single")
 CONTROLS = ("random", "crude", "identity")
 # settings that change how the work is batched, never the numbers: left out of config_id
-EXECUTION_KEYS = ("anchor_chunk", "patch_batch", "capture_batch", "kl_block")
+EXECUTION_KEYS = ("anchor_chunk", "patch_batch", "capture_batch", "kl_block", "kl_budget_mb")
 
 
 def json_object_env(name: str) -> dict[str, object] | None:
@@ -95,6 +95,9 @@ class AnalysisConfig:
     # sequences whose unpatched distributions are held at once by the functional stage: its memory is
     # kl_block x seq_len x vocabulary x 4 bytes (SmolLM2: 16 x 128 x 49,152 x 4 = 403 MB), whatever n_seq
     kl_block: int = 16
+    # ... and at most this many MiB of them: a 262,144-token vocabulary (Gemma) makes one 128-token
+    # sequence 128 MiB of float32 log-probabilities, so its block is 4 sequences (`kl_block_size`)
+    kl_budget_mb: int = 512
     # execution
     capture_batch: int = 8
     device: str = "cpu"
@@ -183,8 +186,8 @@ class AnalysisConfig:
                     f"{self.classes}; add it or drop 'crude' from controls")
         if self.control_class and self.control_class not in self.classes:
             bad(f"control_class={self.control_class!r} is not among classes {self.classes}")
-        if min(self.patch_batch, self.capture_batch, self.anchor_chunk, self.kl_block) < 1:
-            bad("patch_batch, capture_batch, anchor_chunk and kl_block must be >= 1")
+        if min(self.patch_batch, self.capture_batch, self.anchor_chunk, self.kl_block, self.kl_budget_mb) < 1:
+            bad("patch_batch, capture_batch, anchor_chunk, kl_block and kl_budget_mb must be >= 1")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             bad(f"device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
 
@@ -222,6 +225,12 @@ class AnalysisConfig:
         for name, value in d.items():
             _check_type(name, fields[name].default, value)
         return cls(**d)  # type: ignore[arg-type]
+
+    def kl_block_size(self, vocab: int) -> int:
+        """Sequences whose unpatched distributions the functional stage holds at once: kl_block, fewer
+        where their float32 log-probabilities (seq_len x vocab x 4 bytes each) exceed kl_budget_mb."""
+        per_sequence = self.seq_len * vocab * 4
+        return max(1, min(self.kl_block, (self.kl_budget_mb << 20) // per_sequence))
 
     def replace(self, **changes: object) -> "AnalysisConfig":
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

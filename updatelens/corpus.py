@@ -151,9 +151,12 @@ def read_documents(entry: CorpusEntry) -> Iterator[str]:
 
 
 def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int, offset: int = 0,
-                windows_per_doc: int = 0) -> Sample:
+                windows_per_doc: int = 0, bos_id: int | None = None) -> Sample:
     """Tokenise documents in order and cut non-overlapping windows of seq_len tokens, at most
-    `windows_per_doc` of them from one document (0: every window)."""
+    `windows_per_doc` of them from one document (0: every window). With `bos_id` every window is that
+    token followed by seq_len - 1 tokens of text (models that need their BOS first: Gemma)."""
+    body = seq_len - (1 if bos_id is not None else 0)
+    head = [bos_id] if bos_id is not None else []
     need = offset + n_seq
     windows: list[list[int]] = []
     doc_of: list[int] = []
@@ -164,9 +167,9 @@ def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int,
             n_docs += 1
             ids = tokenizer(doc, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
             total_tokens += len(ids)
-            starts = range(0, len(ids) - seq_len + 1, seq_len)
+            starts = range(0, len(ids) - body + 1, body)
             for start in starts[:windows_per_doc] if windows_per_doc else starts:
-                windows.append(ids[start : start + seq_len])
+                windows.append(head + ids[start : start + body])
                 doc_of.append(d_idx)
                 if len(windows) >= need:
                     break
@@ -187,5 +190,5 @@ def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int,
         attention_mask=np.ones_like(ids),
         doc_index=np.asarray(doc_of[offset:need], dtype=np.int64),
         slice_desc=f"{entry.slug}[w{offset}:{need},len{seq_len}" + (f",per_doc{windows_per_doc}" if windows_per_doc else "")
-        + "]",
+        + (",bos" if bos_id is not None else "") + "]",
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 from updatelens.config import AnalysisConfig, preset_layers
 from updatelens.corpus import Sample, make_sample
 from updatelens.errors import ConfigError, ModelError, UpdateLensError
-from updatelens.models import resolve_source
+from updatelens.models import resolve_source, window_bos
 from updatelens.registry import CorpusEntry, ModelEntry
 
 BYTES_PER_VALUE = 4  # float32 vectors in Parquet
@@ -129,7 +129,8 @@ def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_
         tokenizer = AutoTokenizer.from_pretrained(source, revision=entry.revision or None)
     except (OSError, ValueError) as exc:
         raise ModelError(f"model {entry.slug!r}: no usable tokenizer at {source}: {exc}") from exc
-    sample = make_sample(corpus, tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset, cfg.windows_per_doc)
+    sample = make_sample(corpus, tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset, cfg.windows_per_doc,
+                         window_bos(config.model_type, tokenizer))
     n_analysed = len(set(layers)) if layers else len(preset_layers(preset, n_layers)) if preset else n_layers
     needed = estimate_bytes(cfg, n_analysed, d_model)
     check_data_root(data_root, needed)

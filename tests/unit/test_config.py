@@ -78,3 +78,11 @@ def test_the_code_locations_settings_come_from_updatelens_settings(monkeypatch: 
     monkeypatch.setenv("UPDATELENS_SETTINGS", "[6]")
     with pytest.raises(ConfigError, match="must be a JSON object"):
         UpdateLensResource()
+
+
+def test_the_kl_block_is_sized_from_the_vocabulary() -> None:
+    cfg = AnalysisConfig()
+    assert cfg.kl_block_size(49_152) == 16  # SmolLM2: 16 x 24 MiB
+    assert cfg.kl_block_size(262_144) == 4  # Gemma 3: 128 MiB a sequence, 512 MiB budget
+    assert cfg.replace(kl_budget_mb=1).kl_block_size(262_144) == 1
+    assert cfg.replace(kl_budget_mb=64).config_id == cfg.config_id  # batching, not results

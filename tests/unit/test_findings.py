@@ -356,3 +356,29 @@ def test_finding_6_uses_the_models_depth_and_is_null_with_a_reason_when_too_few_
     assert rows["6"]["value"] is None and rows["6"]["null_value"] is None
     assert "2 analysed layers in the middle third" in rows["6"]["note"] and "(layers analysed: 2,3,5 of 6)" in rows["6"]["note"]
     assert rows["1"]["value"] is not None and rows["1"]["layers"] == "2,3,5"
+
+
+def test_findings_across_models_pair_the_resamples_of_two_models(tmp_path: Path) -> None:
+    """Two models stored side by side: each finding of one against the other, with the interval of
+    the difference from resample b of one against resample b of the other."""
+    v = fixture(tmp_path)
+    reps = replicate_fixture(tmp_path)
+    other = tmp_path / "other"
+    fixture(other, seed=3)
+    replicate_fixture(other, seed=9)
+    for table in ("geometry", "functional_summary", "spectra", "geometry_bootstrap", "functional_bootstrap"):
+        for layer in range(LAYERS):
+            moved = catalog.query(other, f"SELECT * FROM {table} WHERE layer = $1", [layer]).drop(["model", "layer"])
+            moved = moved.to_arrow().append_column("model", pa.array(["n"] * len(moved))) \
+                .append_column("layer", pa.array([layer] * len(moved), pa.int32()))
+            write_partition(tmp_path, table, "n", layer, moved)
+    rows = {r["finding"]: r for r in catalog.query(tmp_path, "SELECT * FROM findings_across_models").to_dicts()}
+    assert set(rows) == set(findings.BY_ID) and rows["4"]["model_a"] == "m" and rows["4"]["model_b"] == "n"
+    mine = {r["finding"]: r for r in catalog.query(tmp_path, "SELECT * FROM findings WHERE model = 'm'").to_dicts()}
+    assert rows["4"]["value_a"] == pytest.approx(mine["4"]["value"]) == pytest.approx(hand_findings(v, "lowrank")["4"])
+    per_rep_m = np.median(reps["spearman_relerr_kl/lowrank"], axis=1)
+    theirs = catalog.query(tmp_path, "SELECT replicate, value FROM finding_replicates WHERE model = 'n' AND finding = '4' "
+                                     "AND fn_class = $1 AND replicate >= 0 ORDER BY replicate", [rows["4"]["class_b"]])
+    diff = per_rep_m - theirs["value"].to_numpy()
+    assert rows["4"]["diff_ci_lo"] == pytest.approx(np.quantile(diff, 0.025))
+    assert rows["4"]["diff_ci_hi"] == pytest.approx(np.quantile(diff, 0.975)) and rows["4"]["n_resamples"] == 40

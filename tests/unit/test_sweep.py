@@ -14,8 +14,8 @@ def test_default_grid_is_one_setting_at_a_time() -> None:
     runs = sweep_runs(base, DEFAULT_GRID, d_model=576, max_positions=2048)
     assert runs[0].convention == "baseline" and runs[0].config == base
     assert [(r.convention, r.setting) for r in runs[1:]] == [
-        ("exclusion", "self"), ("exclusion", "none"), ("k", "32"), ("k", "128"), ("rank", "4"), ("rank", "16"),
-        ("class", "psd_diagonal,orthogonal")]
+        ("exclusion", "sequence"), ("exclusion", "self"), ("exclusion", "none"), ("patch_mode", "all"), ("k", "32"),
+        ("k", "128"), ("rank", "4"), ("rank", "16"), ("class", "psd_diagonal,orthogonal")]
     assert len({r.config.config_id for r in runs}) == len(runs)
     for run in runs[1:]:  # each differs from the baseline in exactly the swept setting
         changed = {k for k, v in run.config.to_dict().items() if base.to_dict()[k] != v}
