@@ -392,17 +392,23 @@ DERIVED_VIEWS = ("layer_summary", "layer_replicates", "finding_replicates", "fin
 
 
 def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: str) -> list[str]:
-    """layer_summary, findings_by_class and findings over one family of tables (main or sweep_)."""
+    """layer_summary, findings_by_class and findings over one family of tables (main or sweep_).
+    Where every stored file of a table predates a column the derived views read (results of an older
+    version, all stale, while a run recomputes them), the derived views are left out until the
+    rerun has written files with it: the per-table views still answer."""
     views = []
-    if "geometry" in present:
-        con.execute(layer_summary_sql("functional_summary" in present, prefix))
-        views.append(f"{prefix}layer_summary")
-    if {"geometry", "functional_summary", "spectra"} <= present:
-        replicates = {"geometry_bootstrap", "functional_bootstrap"} <= present
-        for statement in findings_sql(prefix, replicates):
-            con.execute(statement)
-        views += [f"{prefix}layer_replicates"] * replicates + [f"{prefix}finding_replicates", f"{prefix}findings_by_class",
-                                                               f"{prefix}findings"]
+    try:
+        if "geometry" in present:
+            con.execute(layer_summary_sql("functional_summary" in present, prefix))
+            views.append(f"{prefix}layer_summary")
+        if {"geometry", "functional_summary", "spectra"} <= present:
+            replicates = {"geometry_bootstrap", "functional_bootstrap"} <= present
+            for statement in findings_sql(prefix, replicates):
+                con.execute(statement)
+            views += [f"{prefix}layer_replicates"] * replicates + [f"{prefix}finding_replicates",
+                                                                   f"{prefix}findings_by_class", f"{prefix}findings"]
+    except duckdb.BinderException:
+        views = []
     for name in DERIVED_VIEWS:
         if f"{prefix}{name}" not in views:
             con.execute(f"DROP VIEW IF EXISTS {prefix}{name}")

@@ -382,3 +382,17 @@ def test_findings_across_models_pair_the_resamples_of_two_models(tmp_path: Path)
     diff = per_rep_m - theirs["value"].to_numpy()
     assert rows["4"]["diff_ci_lo"] == pytest.approx(np.quantile(diff, 0.025))
     assert rows["4"]["diff_ci_hi"] == pytest.approx(np.quantile(diff, 0.975)) and rows["4"]["n_resamples"] == 40
+
+
+def test_results_of_an_older_version_without_a_new_column_leave_the_derived_views_out(tmp_path: Path) -> None:
+    """While a rerun replaces stale results, files that predate a column the views read must not
+    break the catalog (every stage refreshes it): the per-table views answer, the derived ones wait."""
+    fixture(tmp_path)
+    for layer in range(LAYERS):
+        old = catalog.query(tmp_path, "SELECT * EXCLUDE (model_layers) FROM geometry WHERE layer = $1", [layer])
+        old = old.drop(["model", "layer"]).to_arrow()
+        write_partition(tmp_path, "geometry", "m", layer, old.append_column("model", pa.array(["m"] * len(old)))
+                        .append_column("layer", pa.array([layer] * len(old), pa.int32())))
+    views = catalog.refresh(tmp_path)
+    assert "geometry" in views and "layer_summary" not in views and "findings" not in views
+    assert catalog.query(tmp_path, "SELECT count(*) AS n FROM geometry")["n"][0] == LAYERS * len(CLASSES) * TOKENS
