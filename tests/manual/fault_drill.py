@@ -275,26 +275,6 @@ class Drill:
             outcome.identical = False
         return outcome
 
-
-BAD_INPUTS = (["--layers", "4-3"], ["--layers", "4-3,7"], ["--layers", ""], ["--layers", "99"],
-              ["--set", "nosuchfield=1"], ["--set", "k=abc"], ["--set", "classes=lowrank"])
-
-
-def bad_inputs(drill: Drill) -> list[dict[str, object]]:
-    """Each bad input to `run`, on a fresh root: its exit code, its message, whether anything was created."""
-    records = []
-    for args in BAD_INPUTS:
-        root = drill.root.parent / f"{drill.root.name}-bad-input"
-        shutil.rmtree(root, ignore_errors=True)
-        env = dict(os.environ, DAGSTER_HOME=str(root / "home"), HF_HUB_OFFLINE="1")
-        cmd = [sys.executable, "-m", "updatelens.orchestration.cli", "run", "--model", drill.model, *args,
-               "--data-root", str(root)]
-        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        records.append({"input": " ".join(a if a else "''" for a in args), "exit": done.returncode,
-                        "message": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "",
-                        "created": root.exists()})
-    return records
-
     def full_disk(self) -> Outcome:
         """Another writer fills the file system while a run rewrites the target layer."""
         outcome = Outcome("full disk", "geometry")
@@ -351,6 +331,26 @@ def bad_inputs(drill: Drill) -> list[dict[str, object]]:
                 outcome.notes.append(out[-1500:])
         self.after(outcome)
         return outcome
+
+
+BAD_INPUTS = (["--layers", "4-3"], ["--layers", "4-3,7"], ["--layers", ""], ["--layers", "99"],
+              ["--set", "nosuchfield=1"], ["--set", "k=abc"], ["--set", "classes=lowrank"])
+
+
+def bad_inputs(drill: Drill) -> list[dict[str, object]]:
+    """Each bad input to `run`, on a fresh root: its exit code, its message, whether anything was created."""
+    records = []
+    for args in BAD_INPUTS:
+        root = drill.root.parent / f"{drill.root.name}-bad-input"
+        shutil.rmtree(root, ignore_errors=True)
+        env = dict(os.environ, DAGSTER_HOME=str(root / "home"), HF_HUB_OFFLINE="1")
+        cmd = [sys.executable, "-m", "updatelens.orchestration.cli", "run", "--model", drill.model, *args,
+               "--data-root", str(root)]
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        records.append({"input": " ".join(a if a else "''" for a in args), "exit": done.returncode,
+                        "message": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "",
+                        "created": root.exists()})
+    return records
 
 
 VERIFY_ONCE = ("import sys, time\nfrom updatelens.storage import catalog\nstart = time.perf_counter()\n"
