@@ -20,7 +20,7 @@ BAD = [
     (dict(device="tpu"), "device must be"),
     (dict(bootstrap=-1), "bootstrap and bootstrap_spectra must be >= 0"),
     (dict(bootstrap=10, bootstrap_spectra=20), "bootstrap_spectra=20 exceeds bootstrap=10"),
-    (dict(kl_block=0), "kl_block must be >= 1"),
+    (dict(kl_block=0), "kl_block and kl_budget_mb must be >= 1"),
     (dict(index="annoy"), "unknown index"),
 ]
 
