@@ -51,20 +51,20 @@ def _metadata(path: UPath) -> pq.FileMetaData:
         return pq.read_metadata(handle)
 
 
-def footer_error(path: str | Path, rows: int | None = None) -> str | None:
-    """Why a stored Parquet file cannot be read (None: its footer reads and it has rows, `rows` of
-    them when given)."""
+def _footer(path: str | Path, rows: int | None = None) -> tuple[pq.FileMetaData | None, str | None]:
+    """A stored Parquet file's footer, and why the file cannot be read (None: the footer reads and the
+    file has rows, `rows` of them when given)."""
     try:
         meta = _metadata(as_root(path))
     except FileNotFoundError:
-        return "missing"
+        return None, "missing"
     except (OSError, ValueError) as exc:  # pyarrow: "Parquet magic bytes not found", "file size is 0"
-        return f"unreadable Parquet ({exc})"
+        return None, f"unreadable Parquet ({exc})"
     if meta.num_rows == 0:
-        return "no rows"
+        return meta, "no rows"
     if rows is not None and meta.num_rows != rows:
-        return f"{meta.num_rows} rows, its manifest says {rows}"
-    return None
+        return meta, f"{meta.num_rows} rows, its manifest says {rows}"
+    return meta, None
 
 
 def folder_identity(path: str | Path) -> dict[str, object] | None:
@@ -187,9 +187,9 @@ def partition_error(file: str | Path, full: bool = False) -> str | None:
     elif (full or not is_local(path) or entry.get("mtime_ns") != info.st_mtime_ns) and entry.get("sha256") != sha256_of(path):
         reason = "content differs from its manifest's SHA-256 (damaged on disk or in a copy)"
     else:
-        reason = footer_error(path, entry.get("rows"))
-        if reason is None:
-            reason = identity_error(path, entry, _metadata(path))
+        meta, reason = _footer(path, entry.get("rows"))  # the footer read once, for both checks
+        if reason is None and meta is not None:
+            reason = identity_error(path, entry, meta)
     if is_local(path):
         _verified[key] = reason
     return reason
