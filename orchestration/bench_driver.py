@@ -129,14 +129,15 @@ def _bench_study(args: argparse.Namespace, root: Path) -> int:
 
 
 def _bench_floor(args: argparse.Namespace, root: Path) -> int:
-    """The forward-pass floors of the study preset and the default job on this device, without
-    running them (a minute): bench_floor.json."""
+    """The forward-pass floors of the study preset and the default job of `--model` on this device,
+    without running them (a minute): bench_floor-<model>.json."""
     from updatelens import bench
 
-    records = forward_floors("smollm2-135m", None, args.device, default_job=True)
+    records = forward_floors(args.model, None, args.device, default_job=True)
     print(bench.table(records))
-    bench.write_json(records, root / "bench" / "bench_floor.json")
-    print(f"\nwritten {root / 'bench' / 'bench_floor.json'}")
+    out = root / "bench" / f"bench_floor-{args.model}.json"
+    bench.write_json(records, out)
+    print(f"\nwritten {out}")
     return 0
 
 

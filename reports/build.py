@@ -37,11 +37,15 @@ MODEL_FIGURES: dict[str, str] = {
     "layer_curves": "Per-layer curves, one line per function class: relative error, alignment in update and map "
                     "form, share of residual angles above 60°, projection energy of Δ_full, Δ_tok and r on the "
                     "top-16 tokenwise directions, mean KL with the residual removed, Spearman(relative error, KL), "
-                    "and effective ranks.",
+                    "and effective ranks; shaded: the 95% band of each statistic over the bootstrap resamples of "
+                    "the documents (view layer_bands; the mean KL has none, the ranks only with "
+                    "bootstrap_spectra > 0); dashed with crosses: the statistic's null (the same measure on a residual "
+                    "of the same length in a random direction; for the Spearman, the random control's), with its band.",
     "angle_histograms": "Distribution of the angle between the full update and the residual, for an early, a "
                         "middle and a late layer.",
-    "error_vs_kl": "Per-token relative error against the KL caused by removing the residual (all positions "
-                   "patched at once), early, middle and late layers.",
+    "error_vs_kl": "Per-token relative error against the KL caused by removing the residual at that token "
+                   "(the exact single-position effect where the architecture has it, else every position "
+                   "patched at once: config patch_mode), early, middle and late layers.",
     "energy_curves": "Cumulative singular-value energy of Δ_full, Δ_tok and r (uncentred), early, middle and "
                      "late layers: a curve that rises fast is low-dimensional.",
     "controls": "Mean KL with the residual removed, against the controls: a random direction of the same norm as "
@@ -49,7 +53,7 @@ MODEL_FIGURES: dict[str, str] = {
 }
 COMPARISON_FIGURES: dict[str, str] = {
     "comparison_curves": "Per-layer curves of every materialized model against normalised depth, each model on "
-                         "the class with its lowest median relative error.",
+                         "the class with its lowest median relative error; shaded: the 95% band over the resamples.",
 }
 DPI = 90
 
@@ -183,13 +187,16 @@ def _main_config(con: duckdb.DuckDBPyConnection, model: str) -> tuple[str, list[
 
 
 def sensitivity_pivot(sensitivity: pl.DataFrame) -> pl.DataFrame:
-    """finding x (convention: setting) with the value and a mark when the verdict flips."""
+    """finding x (convention: setting) with the value, its verdict, the paired interval of its change
+    from the baseline, and a mark when the verdict flips (differs, and the change separates)."""
     if sensitivity.is_empty():
         return sensitivity
     frame = sensitivity.with_columns(
         column=pl.col("convention") + pl.lit(": ") + pl.col("setting"),
-        cell=pl.col("value").round(3).cast(pl.String)
-        + pl.when(pl.col("holds")).then(pl.lit(" ✓")).otherwise(pl.lit(" ✗"))
+        cell=pl.col("value").round(3).cast(pl.String).fill_null("—")
+        + pl.lit(" ") + pl.col("verdict").fill_null("no interval")
+        + pl.when(pl.col("convention") == "baseline").then(pl.lit("")).otherwise(
+            pl.lit("; Δ ") + pl.col("delta").round(3).cast(pl.String).fill_null("—") + _interval("delta_ci_lo", "delta_ci_hi"))
         + pl.when(pl.col("flips")).then(pl.lit(" (flips)")).otherwise(pl.lit("")),
     )
     order = frame.sort(["convention", "setting"])["column"].unique(maintain_order=True).to_list()
@@ -214,6 +221,8 @@ def build_model_report(root: Path, model: str) -> Report:
         picks = fig.depth_layers(layers)
         in_picks = f"layer IN ({', '.join(str(p) for p in picks)})"
         ranks = _frame(con, f"SELECT DISTINCT layer, fn_class, which, effective_rank FROM spectra WHERE {where}", params)
+        bands = (_frame(con, f"SELECT * FROM layer_bands WHERE {where}", params)
+                 if "layer_bands" in views else pl.DataFrame())
         angles = _frame(con, f"SELECT layer, fn_class, angle_full_res FROM geometry WHERE {where} AND {in_picks}", params)
         points = _frame(con, f"SELECT layer, fn_class, rel_err, kl FROM functional_metrics WHERE {where} AND {in_picks} "
                              f"AND variant = 'patch'", params)
@@ -248,7 +257,7 @@ def build_model_report(root: Path, model: str) -> Report:
                      f"then `updatelens run`, recompute it.")
     title = f"UpdateLens report: {model}"
     drawings = {
-        "layer_curves": lambda: fig.layer_curves(summary, ranks, f"{model}, config {config_id}"),
+        "layer_curves": lambda: fig.layer_curves(summary, ranks, f"{model}, config {config_id}", bands),
         "angle_histograms": lambda: fig.angle_histograms(angles, picks, f"{model}: residual angles"),
         "error_vs_kl": lambda: fig.error_vs_kl(points, picks, f"{model}: error vs output perturbation"),
         "energy_curves": lambda: fig.energy_curves(spectra, picks, f"{model}: singular-value energy"),
@@ -284,8 +293,10 @@ def build_model_report(root: Path, model: str) -> Report:
         if sensitivity is not None and not sensitivity.is_empty():
             sections.append(
                 "<h2>Sensitivity to the conventions</h2><p>Each finding re-measured with one convention changed "
-                f"(a convention sweep over layers {html.escape(swept_layers)}, without controls; ✓ holds, ✗ does "
-                "not; <b>flips</b> marks a verdict that differs from the sweep's own baseline). SQL: <code>SELECT * "
+                f"(a convention sweep over layers {html.escape(swept_layers)}, without controls): its value, its "
+                "verdict, and Δ, its change from the sweep's own baseline with the 95% interval of the change "
+                "(paired resamples of the same documents); <b>flips</b> marks a verdict that differs from the "
+                "baseline's where the change's interval excludes zero. SQL: <code>SELECT * "
                 f"FROM sensitivity WHERE model = '{html.escape(model)}'</code>.</p>"
                 + html_table(sensitivity_pivot(sensitivity), ()))
         if not converged.is_empty():
@@ -338,7 +349,8 @@ def build_comparison(root: Path) -> Report:
         if "findings" not in _views(con):
             raise ReportError(f"no complete results are stored under {root}; materialize a model first")
         models = _frame(con, "SELECT DISTINCT model FROM layer_summary ORDER BY model")["model"].to_list()
-        parts, finding_parts = [], []
+        has_bands = "layer_bands" in _views(con)
+        parts, finding_parts, band_parts = [], [], []
         for model in models:
             config_id, _ = _main_config(con, model)
             findings = _frame(con, "SELECT * FROM findings WHERE model = ? AND config_id = ?", [model, config_id])
@@ -348,6 +360,9 @@ def build_comparison(root: Path) -> Report:
             parts.append(_frame(con, "SELECT * FROM layer_summary WHERE model = ? AND config_id = ? AND fn_class = ?",
                                 [model, config_id, best]))
             finding_parts.append(findings)
+            if has_bands:
+                band_parts.append(_frame(con, "SELECT * FROM layer_bands WHERE model = ? AND config_id = ? AND fn_class = ?",
+                                         [model, config_id, best]))
         shown = [f"{f['model'][0]}/{f['config_id'][0]}" for f in finding_parts]  # each model's main config
         across = _frame(con, "SELECT finding, model_a, model_b, value_a, value_b, diff, diff_ci_lo, diff_ci_hi, "
                              "n_resamples, model_a || '/' || config_a AS key_a, model_b || '/' || config_b AS key_b "
@@ -358,10 +373,13 @@ def build_comparison(root: Path) -> Report:
     summary = pl.concat(parts, how="diagonal_relaxed").with_columns(  # the model's real depth, whatever was analysed
         depth=pl.col("layer") / pl.max_horizontal(pl.col("model_layers") - 1, pl.lit(1)))
     findings = pl.concat(finding_parts, how="diagonal_relaxed")
+    depths = summary.select("model", "layer", "depth").unique()
+    bands = (pl.concat(band_parts, how="diagonal_relaxed").join(depths, on=["model", "layer"])
+             if band_parts else pl.DataFrame())
     title = f"UpdateLens comparison: {len(parts)} model(s)"
 
     def fill(staging: Path) -> None:
-        _png(fig.comparison_curves(summary, "per-layer curves on normalised depth"), staging / "comparison_curves.png")
+        _png(fig.comparison_curves(summary, "per-layer curves on normalised depth", bands), staging / "comparison_curves.png")
         sections = [
             "<h2>Findings by model</h2><p>Each finding per model, on its best class: value [95% interval]; its null "
             "[interval]: verdict (holds, fails, undecided, or indistinct from its null). SQL: "

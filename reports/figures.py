@@ -36,28 +36,52 @@ def _colour(fn_class: str) -> str:
     return CLASS_COLOURS.get(fn_class, "tab:gray")
 
 
-def layer_curves(summary: pl.DataFrame, ranks: pl.DataFrame, title: str) -> Figure:
-    """Per-layer curves, one line per function class. `summary` is layer_summary rows of one
-    (model, config); `ranks` has (layer, fn_class, which, effective_rank)."""
+def band(ax: Axes, bands: pl.DataFrame, statistic: str, colour: str) -> None:
+    """Shade the 95% band of a per-layer statistic (`layer_bands` columns `<statistic>_lo/_hi`, rows
+    of one class); nothing where the statistic has no resamples."""
+    lo, hi = f"{statistic}_lo", f"{statistic}_hi"
+    if lo not in bands.columns or bands.is_empty():
+        return
+    rows = bands.filter(pl.col(lo).is_not_null() & pl.col(hi).is_not_null()).sort("layer")
+    if len(rows):
+        ax.fill_between(rows["layer"].to_numpy(), rows[lo].cast(pl.Float64).to_numpy(),
+                        rows[hi].cast(pl.Float64).to_numpy(), color=colour, alpha=0.2, lw=0)
+
+
+def layer_curves(summary: pl.DataFrame, ranks: pl.DataFrame, title: str, bands: pl.DataFrame | None = None) -> Figure:
+    """Per-layer curves, one line per function class, with the 95% band over the resamples where
+    `bands` (the `layer_bands` rows of the same model and config) has the statistic. `summary` is
+    layer_summary rows of one (model, config); `ranks` has (layer, fn_class, which, effective_rank)."""
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5), constrained_layout=True)
     classes = summary["fn_class"].unique(maintain_order=True).to_list()
+    bands = pl.DataFrame() if bands is None else bands
     for ax, (column, panel_title, ylabel, log) in zip(axes.flat, LAYER_PANELS):
         for fn_class in classes:
             rows = summary.filter(pl.col("fn_class") == fn_class).sort("layer")
             layer = rows["layer"].to_numpy()
+            colour = _colour(fn_class)
+            mine = bands.filter(pl.col("fn_class") == fn_class) if not bands.is_empty() else bands
             if column is None:
                 for which, (label, style) in WHICH_STYLES.items():
-                    ax.plot(layer, rows[f"proj_{which}_m16"].to_numpy(), style, color=_colour(fn_class),
+                    ax.plot(layer, rows[f"proj_{which}_m16"].to_numpy(), style, color=colour,
                             label=f"{fn_class}: {label}")
+                band(ax, mine, "proj_res_m16", colour)
             elif column == "effective_rank":
                 rk = ranks.filter(pl.col("fn_class") == fn_class)
                 for which, (label, style) in WHICH_STYLES.items():
                     part = rk.filter(pl.col("which") == which).sort("layer")
                     ax.plot(part["layer"].to_numpy(), part["effective_rank"].to_numpy(), style,
-                            color=_colour(fn_class), label=f"{fn_class}: {label}")
+                            color=colour, label=f"{fn_class}: {label}")
+                    band(ax, mine, f"rank_{which}", colour)
             elif column in rows.columns and rows[column].null_count() < len(rows):
-                ax.plot(layer, rows[column].cast(pl.Float64).to_numpy(), "o-", ms=3, color=_colour(fn_class),
+                ax.plot(layer, rows[column].cast(pl.Float64).to_numpy(), "o-", ms=3, color=colour,
                         label=fn_class)
+                band(ax, mine, column, colour)
+                null = f"{column}_null"  # the finding's null: the same measure without the claimed structure
+                if null in rows.columns and rows[null].null_count() < len(rows):
+                    ax.plot(layer, rows[null].cast(pl.Float64).to_numpy(), "x--", ms=3, lw=0.8, color=colour,
+                            alpha=0.7, label=f"{fn_class}: null")
+                    band(ax, mine, null, colour)
         if log:
             ax.set_yscale("log")
         ax.set_title(panel_title, fontsize=10)
@@ -168,9 +192,12 @@ COMPARISON_PANELS = (
 )
 
 
-def comparison_curves(summary: pl.DataFrame, title: str) -> Figure:
+def comparison_curves(summary: pl.DataFrame, title: str, bands: pl.DataFrame | None = None) -> Figure:
     """Side-by-side per-layer curves of several models against normalised depth, one line per
-    model (its best class). `summary` has layer_summary columns plus `depth` in [0, 1]."""
+    model (its best class), with 95% bands where `bands` (`layer_bands` rows plus `depth`, of each
+    model's shown class and config) has the statistic. `summary` has layer_summary columns plus
+    `depth` in [0, 1]."""
+    bands = pl.DataFrame() if bands is None else bands
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5), constrained_layout=True)
     models = summary["model"].unique(maintain_order=True).to_list()
     cmap = plt.get_cmap("tab10")
@@ -181,6 +208,8 @@ def comparison_curves(summary: pl.DataFrame, title: str) -> Figure:
                 continue
             ax.plot(rows["depth"].to_numpy(), rows[column].cast(pl.Float64).to_numpy(), "o-", ms=3,
                     color=cmap(i % 10), label=f"{model} ({rows['fn_class'][0]})")
+            mine = bands.filter(pl.col("model") == model).with_columns(layer=pl.col("depth")) if not bands.is_empty() else bands
+            band(ax, mine, column, cmap(i % 10))
         if log:
             ax.set_yscale("log")
         ax.set_title(panel_title, fontsize=10)

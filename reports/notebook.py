@@ -96,8 +96,9 @@ def _(alt, catalog, fn_class, layer, mo, model, pl, root):
 @app.cell
 def _(catalog, mo, model, root, views):
     if "sensitivity" in views:
-        sens = catalog.query(root, "SELECT finding, convention, setting, round(value, 3) AS value, holds, "
-                                   "round(delta, 3) AS delta, flips FROM sensitivity WHERE model = $1 "
+        sens = catalog.query(root, "SELECT finding, convention, setting, round(value, 3) AS value, verdict, "
+                                   "round(delta, 3) AS delta, round(delta_ci_lo, 3) AS delta_lo, "
+                                   "round(delta_ci_hi, 3) AS delta_hi, flips FROM sensitivity WHERE model = $1 "
                                    "ORDER BY finding, convention, setting", [model.value])
         body = mo.ui.table(sens, selection=None)
     else:

@@ -121,6 +121,20 @@ SELECT g.model, g.config_id, g.fn_class, g.layer, g.replicate, g.model_layers,
 FROM {geometry_bootstrap} g LEFT JOIN {functional_bootstrap} f USING (model, layer, config_id, fn_class, replicate)
 """
 
+# Each per-layer statistic of the findings with its 95% band over the resamples (the layer curves'
+# shaded bands): `<statistic>_lo` and `<statistic>_hi` per (model, config, class, layer).
+LAYER_BANDS_SQL = """
+CREATE OR REPLACE VIEW {name} AS
+SELECT model, config_id, fn_class, layer, count(*) AS n_resamples, {bands}
+FROM {replicates} WHERE replicate >= 0
+GROUP BY model, config_id, fn_class, layer
+ORDER BY model, config_id, layer, fn_class
+"""
+
+BAND_STATISTICS: tuple[str, ...] = (*GEOMETRY_STATISTICS, "spearman_relerr_kl", "spearman_normres_kl",
+                                    "spearman_relerr_kl_null", "spearman_normres_kl_null",
+                                    "rank_full", "rank_tok", "rank_res", "rank_full_null", "rank_res_null")
+
 FINDING_REPLICATES_SQL = """
 CREATE OR REPLACE VIEW {name} AS
 WITH stats AS ({stats}),
@@ -220,34 +234,59 @@ ORDER BY a.finding, model_a, model_b
 #   a convention swept as a configuration (sweep_runs: one config per setting), measured on the
 #   baseline's best class; `class`: the baseline configuration, every class; and the measurement
 #   conventions (ALTERNATIVE_MEASURES), which every run computes both ways.
+# Each finding of a convention sweep under each swept setting, against the sweep's own baseline.
+# Every configuration of a sweep resamples the same documents (same seed), so resample b of a
+# setting is paired with resample b of the baseline: `delta_ci_lo/hi` is the 95% interval of the
+# paired difference, `separates` says it excludes zero, and `flips` says the verdict differs from
+# the baseline's AND the difference separates (a verdict that changes within the noise does not flip).
 SENSITIVITY_SQL = """
 CREATE OR REPLACE VIEW sensitivity AS
 WITH measures(alt, finding, convention, setting, main_setting) AS (VALUES {measures}),
 bases AS (SELECT DISTINCT model, base_config_id AS config_id FROM sweep_runs),
 base AS (SELECT f.* FROM sweep_findings f JOIN bases USING (model, config_id)),
 rows AS (
-    SELECT r.model, f.finding, r.convention, r.setting, r.config_id, f.fn_class, f.value, f.holds,
+    -- one convention changed, on the baseline's class
+    SELECT r.model, b.finding, r.convention, r.setting, r.config_id, b.fn_class, b.finding AS source,
            r.base_config_id
     FROM sweep_runs r
     JOIN base b ON b.model = r.model AND b.config_id = r.base_config_id
-    JOIN sweep_findings_by_class f ON f.model = r.model AND f.config_id = r.config_id
-         AND f.fn_class = b.fn_class AND f.finding = b.finding
     WHERE r.convention <> 'class'
     UNION ALL
-    SELECT r.model, f.finding, 'class', f.fn_class, f.config_id, f.fn_class, f.value, f.holds, r.base_config_id
+    -- every class measured (the baseline's and the class runs')
+    SELECT r.model, f.finding, 'class', f.fn_class, f.config_id, f.fn_class, f.finding, r.base_config_id
     FROM (SELECT DISTINCT model, config_id, base_config_id FROM sweep_runs
           WHERE convention = 'class' OR config_id = base_config_id) r
     JOIN sweep_findings_by_class f ON f.model = r.model AND f.config_id = r.config_id
     WHERE f.finding NOT IN (SELECT alt FROM measures)
     UNION ALL
-    SELECT b.model, m.finding, m.convention, m.setting, b.config_id, b.fn_class, b.value, b.holds, b.config_id
+    -- a measure's other convention, measured by every run (e.g. finding 1 in map form)
+    SELECT b.model, m.finding, m.convention, m.setting, b.config_id, b.fn_class, m.alt, b.config_id
     FROM base b JOIN measures m ON b.finding = m.alt
+),
+paired AS (
+    SELECT rows.model, rows.finding, rows.convention, rows.setting, rows.config_id, rows.fn_class,
+           quantile_cont(rr.value - br.value, 0.025) AS delta_ci_lo,
+           quantile_cont(rr.value - br.value, 0.975) AS delta_ci_hi
+    FROM rows
+    JOIN base ON base.model = rows.model AND base.config_id = rows.base_config_id AND base.finding = rows.finding
+    JOIN sweep_finding_replicates rr ON rr.model = rows.model AND rr.config_id = rows.config_id
+         AND rr.fn_class = rows.fn_class AND rr.finding = rows.source AND rr.replicate >= 0
+    JOIN sweep_finding_replicates br ON br.model = base.model AND br.config_id = base.config_id
+         AND br.fn_class = base.fn_class AND br.finding = base.finding AND br.replicate = rr.replicate
+    GROUP BY ALL
 )
 SELECT rows.model, rows.finding, rows.convention, rows.setting, rows.config_id, rows.fn_class,
-       rows.value, rows.holds, base.value AS baseline_value, base.holds AS baseline_holds,
-       rows.value - base.value AS delta, rows.holds <> base.holds AS flips
-FROM rows JOIN base ON base.model = rows.model AND base.config_id = rows.base_config_id
-                   AND base.finding = rows.finding
+       f.value, f.ci_lo, f.ci_hi, f.holds, f.verdict,
+       base.value AS baseline_value, base.verdict AS baseline_verdict, base.holds AS baseline_holds,
+       f.value - base.value AS delta, p.delta_ci_lo, p.delta_ci_hi,
+       p.delta_ci_lo > 0 OR p.delta_ci_hi < 0 AS separates,
+       f.verdict IS DISTINCT FROM base.verdict AND coalesce(p.delta_ci_lo > 0 OR p.delta_ci_hi < 0, false) AS flips
+FROM rows
+JOIN base ON base.model = rows.model AND base.config_id = rows.base_config_id AND base.finding = rows.finding
+JOIN sweep_findings_by_class f ON f.model = rows.model AND f.config_id = rows.config_id
+     AND f.fn_class = rows.fn_class AND f.finding = rows.source
+LEFT JOIN paired p ON p.model = rows.model AND p.finding = rows.finding AND p.convention = rows.convention
+     AND p.setting = rows.setting AND p.config_id = rows.config_id AND p.fn_class = rows.fn_class
 WHERE rows.finding NOT IN (SELECT alt FROM measures)
 ORDER BY rows.model, rows.finding, rows.convention, rows.setting
 """
@@ -374,6 +413,10 @@ def findings_sql(prefix: str = "", with_replicates: bool = False) -> list[str]:
                                                       geometry_columns=", ".join(f"g.{c}" for c in GEOMETRY_STATISTICS),
                                                       geometry_bootstrap=f"{prefix}geometry_bootstrap",
                                                       functional_bootstrap=f"{prefix}functional_bootstrap"))
+        bands = ", ".join(f"quantile_cont({c}, 0.025) AS {c}_lo, quantile_cont({c}, 0.975) AS {c}_hi"
+                          for c in BAND_STATISTICS)
+        statements.append(LAYER_BANDS_SQL.format(name=f"{prefix}layer_bands", bands=bands,
+                                                 replicates=f"{prefix}layer_replicates"))
         stats += f" UNION ALL BY NAME SELECT * FROM {prefix}layer_replicates"
     return [*statements,
             FINDING_REPLICATES_SQL.format(name=f"{prefix}finding_replicates", stats=stats, findings=findings_select()),
@@ -388,7 +431,8 @@ def sensitivity_sql() -> str:
     return SENSITIVITY_SQL.format(measures=measures)
 
 
-DERIVED_VIEWS = ("layer_summary", "layer_replicates", "finding_replicates", "findings_by_class", "findings")
+DERIVED_VIEWS = ("layer_summary", "layer_replicates", "layer_bands", "finding_replicates", "findings_by_class",
+                 "findings")
 
 
 def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: str) -> list[str]:
@@ -405,7 +449,7 @@ def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: st
             replicates = {"geometry_bootstrap", "functional_bootstrap"} <= present
             for statement in findings_sql(prefix, replicates):
                 con.execute(statement)
-            views += [f"{prefix}layer_replicates"] * replicates + [f"{prefix}finding_replicates",
+            views += [f"{prefix}layer_replicates", f"{prefix}layer_bands"] * replicates + [f"{prefix}finding_replicates",
                                                                    f"{prefix}findings_by_class", f"{prefix}findings"]
     except duckdb.BinderException:
         views = []

@@ -19,8 +19,7 @@ from updatelens.bootstrap import (
     TOKEN_STATISTICS,
     sequence_counts,
     geometry_replicates,
-    gram_effective_ranks,
-    replicate_grams,
+    ResampledGrams,
     row_weights,
     weighted_spearman,
 )
@@ -338,7 +337,8 @@ class LayerGeometry:
         self.counts = resample_counts(cfg, docs)
         self.n_spec = min(cfg.bootstrap_spectra, cfg.bootstrap)
         self.grams = {(c, w): np.zeros((d, d)) for c in classes for w in WHICH + NULL_WHICH}
-        self.replicate_grams = {(c, w): np.zeros((self.n_spec, d, d)) for c in classes for w in WHICH + NULL_WHICH}
+        self.replicate_grams = {(c, w): ResampledGrams(self.counts[: self.n_spec], d)
+                                for c in classes for w in WHICH + NULL_WHICH}
         self.n_rows = 0
         self.subspaces: dict[str, Subspace] = {}
         self.scalars: dict[str, list[dict[str, np.ndarray]]] = {c: [] for c in classes}
@@ -353,8 +353,7 @@ class LayerGeometry:
             for which, v in zip(WHICH + NULL_WHICH, (dec.delta_full, dec.delta_tok, dec.residual,
                                                      null.delta_full, null.residual)):
                 self.grams[(fn_class, which)] += v.T @ v
-                if self.n_spec:
-                    self.replicate_grams[(fn_class, which)] += replicate_grams(v, seq, self.counts[: self.n_spec])
+                self.replicate_grams[(fn_class, which)].add(v, seq)
 
     def finish(self) -> None:
         self.subspaces = {c: subspace_from_gram(g, self.n_rows, self.cfg.energy_threshold)
@@ -413,7 +412,7 @@ class LayerGeometry:
             for which in WHICH + NULL_WHICH:
                 ranks = np.full(b, np.nan)
                 if self.n_spec:
-                    ranks[: self.n_spec] = gram_effective_ranks(self.replicate_grams[(fn_class, which)])
+                    ranks[: self.n_spec] = self.replicate_grams[(fn_class, which)].effective_ranks()
                 cols[f"rank_{which}"] = pa.array(ranks, pa.float64(), from_pandas=True)
             parts.append(with_provenance(cols, prov, layer))
         return pa.concat_tables(parts)

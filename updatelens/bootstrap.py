@@ -147,6 +147,46 @@ def geometry_replicates(seq: np.ndarray, metrics: dict[str, np.ndarray], counts:
     return {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in out.items()}
 
 
+class ResampledGrams:
+    """The Gram matrix sum_i w_i v_i v_i^T of a statistic's rows on each resample (`counts` [b, n_seq]),
+    accumulated block by block in whichever of two forms holds fewer d x d matrices: one per resample
+    (b of them) or one per sequence (n_seq of them; each resample's Gram is then the counts-weighted
+    sum, formed a few at a time in `effective_ranks`). The default job (16 sequences, 50 spectra
+    resamples) keeps 16 per statistic, the study preset (1,024 sequences) 50. Stored in float32
+    (their eigenvalues feed an entropy, not a solve); products in float64."""
+
+    def __init__(self, counts: np.ndarray, d: int) -> None:
+        self.counts = counts
+        self.per_sequence = counts.shape[1] < counts.shape[0]
+        n = counts.shape[1] if self.per_sequence else counts.shape[0]
+        self.grams = np.zeros((n, d, d), np.float32)
+
+    def add(self, v: np.ndarray, seq: np.ndarray) -> None:
+        """Rows `v` [n_rows, d] of sequences `seq` (whole sequences of a block)."""
+        if not len(self.counts):
+            return
+        if not self.per_sequence:
+            self.grams += replicate_grams(v, seq, self.counts).astype(np.float32)
+            return
+        order = np.argsort(seq, kind="stable")
+        v, seq = v[order], seq[order]
+        seqs, starts = np.unique(seq, return_index=True)
+        for s, lo, hi in zip(seqs, starts, np.append(starts[1:], len(seq))):
+            self.grams[s] += (v[lo:hi].T @ v[lo:hi]).astype(np.float32)
+
+    def effective_ranks(self, chunk: int = 8) -> np.ndarray:
+        """The effective rank (as `geometry.spectrum`) of the rows on every resample [b]."""
+        b, d = len(self.counts), self.grams.shape[1]
+        out = np.zeros(b)
+        flat = self.grams.reshape(len(self.grams), d * d)
+        for lo in range(0, b, chunk):
+            hi = min(b, lo + chunk)
+            grams = ((self.counts[lo:hi].astype(np.float32) @ flat).reshape(-1, d, d) if self.per_sequence
+                     else self.grams[lo:hi])
+            out[lo:hi] = gram_effective_ranks(grams)
+        return out
+
+
 def gram_effective_ranks(grams: np.ndarray) -> np.ndarray:
     """Effective rank (as `geometry.spectrum`) of the rows behind each Gram matrix [b, d, d]: with
     `replicate_grams`, the effective rank on every resample."""

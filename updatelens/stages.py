@@ -54,8 +54,10 @@ STAGE_NAMES: tuple[str, ...] = tuple(BY_NAME)
 TABLES_BY_STAGE: dict[str, tuple[str, ...]] = {s.name: s.tables for s in STAGES}
 # Every table the pipeline writes per (model, layer), in the stages' order.
 TABLES: tuple[str, ...] = tuple(t for s in STAGES for t in s.tables)
-# What a convention sweep stores per (configuration, model, layer): what the findings read.
-SWEEP_TABLES: tuple[str, ...] = ("geometry", "spectra", "functional_metrics", "functional_summary")
+# What a convention sweep stores per (configuration, model, layer): what the findings read, with
+# their resamples (so that a setting's finding has an interval, paired with the baseline's).
+SWEEP_TABLES: tuple[str, ...] = ("geometry", "spectra", "geometry_bootstrap", "functional_metrics",
+                                 "functional_summary", "functional_bootstrap")
 # written by the last stage: present only if the whole chain ran for a (model, layer)
 LAST_TABLE: str = STAGES[-1].tables[-1]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from scipy import stats
 
 from updatelens.bootstrap import (
@@ -79,6 +80,24 @@ def test_replicate_spectra_equal_the_svd_of_the_resample() -> None:
         np.testing.assert_allclose(grams[i], v[idx].T @ v[idx], rtol=1e-10, atol=1e-10)
         np.testing.assert_allclose(ranks[i], spectrum(v[idx]).effective_rank, rtol=1e-9)
     assert effective_rank(np.zeros((1, 3)))[0] == 0.0
+
+
+@pytest.mark.parametrize("n_resamples", [3, 9])  # fewer resamples than sequences (per resample), more (per sequence)
+def test_resampled_grams_give_the_effective_rank_of_each_resample_in_either_form(n_resamples: int) -> None:
+    from updatelens.bootstrap import ResampledGrams
+
+    rng = np.random.default_rng(1)
+    seq = np.repeat(np.arange(6), 15)
+    v = rng.standard_normal((len(seq), 5)) * np.array([5.0, 2.0, 1.0, 0.5, 0.1])
+    counts = replicate_counts(6, n_resamples, seed=2)
+    grams = ResampledGrams(counts, 5)
+    assert grams.per_sequence == (n_resamples > 6) and len(grams.grams) == min(6, n_resamples)
+    for block in (slice(0, 45), slice(45, 90)):  # two blocks of whole sequences
+        grams.add(v[block], seq[block])
+    ranks = grams.effective_ranks(chunk=2)
+    for i, row in enumerate(counts):
+        idx = expanded(seq, row)
+        np.testing.assert_allclose(ranks[i], spectrum(v[idx]).effective_rank, rtol=1e-5)
 
 
 def test_a_resample_draws_documents_whole() -> None:

@@ -163,6 +163,8 @@ def test_sensitivity_against_hand_computation(tmp_path: Path) -> None:
     """A baseline config and one varying k, stored as a sweep: each finding's move and flips."""
     base = fixture(sweep_root(tmp_path, "c1"), "c1", seed=0)
     other = fixture(sweep_root(tmp_path, "c2"), "c2", seed=1)
+    base_reps = replicate_fixture(sweep_root(tmp_path, "c1"), config_id="c1", seed=5)
+    other_reps = replicate_fixture(sweep_root(tmp_path, "c2"), config_id="c2", seed=6)
     for cid, convention, setting in (("c1", "baseline", "default"), ("c2", "k", "32")):
         write_sweep_run(tmp_path, "m", cid, pa.table({"model": ["m"], "config_id": [cid], "base_config_id": ["c1"],
                                                       "convention": [convention], "setting": [setting]}))
@@ -177,7 +179,14 @@ def test_sensitivity_against_hand_computation(tmp_path: Path) -> None:
         assert row["value"] == pytest.approx(hand_other[finding], rel=1e-9)
         assert row["baseline_value"] == pytest.approx(hand_base[finding], rel=1e-9)
         assert row["delta"] == pytest.approx(hand_other[finding] - hand_base[finding], rel=1e-6, abs=1e-12)
-        assert row["flips"] == (row["holds"] != row["baseline_holds"])
+        assert row["flips"] == (row["verdict"] != row["baseline_verdict"] and row["separates"])
+        assert row["separates"] == (row["delta_ci_lo"] > 0 or row["delta_ci_hi"] < 0)
+    # the paired interval of the difference: resample b of the setting against resample b of the baseline
+    for finding, stat, how in (("1", "cos_full_tok_median", np.median), ("2 projection", "proj_res_m16", np.mean)):
+        diff = how(other_reps[f"{stat}/{best}"], axis=1) - how(base_reps[f"{stat}/{best}"], axis=1)
+        row = by_key[(finding, "k", "32")]
+        assert row["delta_ci_lo"] == pytest.approx(np.quantile(diff, 0.025), rel=1e-9)
+        assert row["delta_ci_hi"] == pytest.approx(np.quantile(diff, 0.975), rel=1e-9)
     # the measurement conventions re-measure a finding on the baseline
     assert by_key[("1", "alignment form", "map: cos(y, T(x))")]["value"] == pytest.approx(hand_base["1 map"])
     assert by_key[("4", "error measure", "‖r‖")]["value"] == pytest.approx(hand_base["4 norm"])
@@ -271,6 +280,18 @@ def test_intervals_are_quantiles_of_the_findings_on_each_resample(tmp_path: Path
             assert row["verdict"] == expected, (cls, finding)
     verdicts = {r["verdict"] for r in rows.values()}
     assert {"fails", "undecided", "indistinct"} <= verdicts, verdicts  # 'holds': the planted test below
+
+
+def test_layer_bands_are_the_per_layer_quantiles_of_the_resamples(tmp_path: Path) -> None:
+    fixture(tmp_path)
+    reps = replicate_fixture(tmp_path)
+    bands = {(r["fn_class"], r["layer"]): r for r in catalog.query(tmp_path, "SELECT * FROM layer_bands").to_dicts()}
+    assert len(bands) == len(CLASSES) * LAYERS
+    for (fn_class, layer), row in bands.items():
+        assert row["n_resamples"] == 40
+        for stat in ("rel_err_median", "proj_res_m16_null", "spearman_relerr_kl", "rank_res"):
+            lo, hi = np.quantile(reps[f"{stat}/{fn_class}"][:, layer], [0.025, 0.975])
+            assert row[f"{stat}_lo"] == pytest.approx(lo, rel=1e-9) and row[f"{stat}_hi"] == pytest.approx(hi, rel=1e-9)
 
 
 def test_without_resamples_there_is_no_interval_and_no_verdict(tmp_path: Path) -> None:
