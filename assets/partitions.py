@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 import dagster as dg
-from dagster._core.storage.tags import (
-    ASSET_PARTITION_RANGE_END_TAG,
-    ASSET_PARTITION_RANGE_START_TAG,
-    PARTITION_NAME_TAG,
-)
+
+# The run tags by which Dagster reads a run's partition or partition range (its run-tag protocol, the
+# values of dagster._core.storage.tags, which the public API does not export; a test pins them).
+PARTITION_NAME_TAG = "dagster/partition"
+ASSET_PARTITION_RANGE_START_TAG = "dagster/asset_partition_range_start"
+ASSET_PARTITION_RANGE_END_TAG = "dagster/asset_partition_range_end"
 
 MODEL_LAYER = dg.DynamicPartitionsDefinition(name="model_layer")
 # One key per model (its slug): the per-model assets (report, convention sweep) read all its layers.

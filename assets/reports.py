@@ -14,7 +14,7 @@ import polars as pl
 from updatelens.assets.common import md_table
 from updatelens.assets.functional_metrics import functional_metrics
 from updatelens.assets.partitions import MODELS
-from updatelens.assets.routing import MODEL_POOL
+from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.reports.build import (
     COMPARISON_FIGURES,
@@ -122,6 +122,7 @@ class SweepConfig(dg.Config):
     kinds={"pytorch", "parquet"},
     code_version=CODE_VERSION,
     pool=MODEL_POOL,
+    op_tags=step_tags(needs_model=True),  # it loads the model: the GPU queue and pod resources
     description="Convention sweep: the model's sample analysed under a grid of configurations (neighbour "
                 "exclusion, k, rank, class by default), each stored under its config id in "
                 "`<data root>/sweeps/config=<id>/`; SQL views `sweep_findings` and `sensitivity`. A rerun "
@@ -149,7 +150,8 @@ def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource
         for run in runs:
             write_sweep_run(store.root, model, run.config.config_id, run_record(model, run, base, layers))
     store.refresh()
-    sensitivity = store.query(f"SELECT finding, convention, setting, round(value, 3) AS value, holds, flips "
+    sensitivity = store.query(f"SELECT finding, convention, setting, round(value, 3) AS value, verdict, "
+                              f"round(delta_ci_lo, 3) AS delta_lo, round(delta_ci_hi, 3) AS delta_hi, flips "
                               f"FROM sensitivity WHERE model = $1", [model])
     return dg.MaterializeResult(metadata={
         "configs": len(runs),

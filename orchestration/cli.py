@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ui = sub.add_parser("ui", help="start the Dagster UI (dagster dev) on 127.0.0.1")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=3000)
+    ui.add_argument("--data-root", help="the data root the UI serves, with its own Dagster instance "
+                                        "(<root>/_dagster); default: $UPDATELENS_DATA or ./data")
     ui.set_defaults(func=cmd_ui)
 
     nb = sub.add_parser("notebook", help="open the exploration notebook (marimo) over the stored results")
@@ -85,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     nb.add_argument("--host", default="127.0.0.1")
     nb.add_argument("--port", type=int, default=2718)
     nb.add_argument("--headless", action="store_true", help="serve without opening a browser")
+    nb.add_argument("--edit", action="store_true",
+                    help="open an editable copy (<data root>/_notebook/notebook.py, made once) in marimo's editor "
+                         "instead of the app, whose cells run as the page opens")
     nb.set_defaults(func=cmd_notebook)
 
     rep = sub.add_parser("report", help="rebuild reports (HTML + PNG) from stored results, no recomputation")
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_cmd = sub.add_parser("bench", help="benchmark every hot stage against same-run references")
     bench_cmd.add_argument("--data-root")
+    bench_cmd.add_argument("--model", default="smollm2-135m", help="the model whose forward passes --only floor counts")
     bench_cmd.add_argument("--device", default="cpu",
                            help="cpu or cuda[:i]: where the model, fits and (with faiss-gpu) exact search run; "
                                 "recorded with every figure")

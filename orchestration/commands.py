@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from updatelens.orchestration.output import print_frame
+from updatelens.storage.location import is_url
 
 if TYPE_CHECKING:
     import dagster as dg
@@ -123,7 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"updatelens run: {exc}", file=sys.stderr)
         return 2
     os.environ[PROFILE_ENV] = profile.name  # the run processes and their workers build the same executor
-    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
+    os.environ["DAGSTER_HOME"] = str(project_dagster_home(lens.data_root))
     for name in lens.store.clean_abandoned_staging():  # whatever the run then skips as up to date
         print(f"removed staging {name} left by a crashed run")
     wanted = layers or (preset_layers(args.preset, report.n_layers) if args.preset else list(range(report.n_layers)))
@@ -231,8 +233,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     from updatelens.orchestration.runner import project_dagster_home
 
-    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
     lens = _lens_from(args)
+    os.environ["DAGSTER_HOME"] = str(project_dagster_home(lens.data_root))
     stored = lens.store.query("SELECT DISTINCT model FROM layer_summary ORDER BY model") \
         if lens.store.has_files("geometry") else None
     available = stored["model"].to_list() if stored is not None else []
@@ -261,7 +263,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from updatelens.sweep import DEFAULT_GRID, parse_grid, sweep_baseline, sweep_runs
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
     sweep_config: dict[str, object] = {"grid": args.grid or json.dumps(DEFAULT_GRID)}
     if args.layers:
         sweep_config["layers"] = _parse_layers(args.layers)
@@ -276,6 +277,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     except (UpdateLensError, ValueError, OSError) as exc:
         print(f"updatelens sweep: {exc}", file=sys.stderr)
         return 2
+    os.environ["DAGSTER_HOME"] = str(project_dagster_home(lens.data_root))
     print(f"updatelens sweep: {args.model}, {len(runs)} configurations: "
           + ", ".join(f"{r.convention}={r.setting} ({r.config.config_id})" for r in runs), flush=True)
     start = time.perf_counter()
@@ -286,7 +288,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             return 1
         print(f"\nsweep wall time {time.perf_counter() - start:.1f} s. Sensitivity (SQL view sensitivity):")
         print_frame(lens.store.query("SELECT finding, convention, setting, fn_class, round(value, 3) AS value, "
-                                     "holds, round(delta, 3) AS delta, flips FROM sensitivity "
+                                     "verdict, round(delta, 3) AS delta, round(delta_ci_lo, 3) AS delta_lo, "
+                                     "round(delta_ci_hi, 3) AS delta_hi, flips FROM sensitivity "
                                      "WHERE model = $1 ORDER BY finding, convention, setting", [args.model]))
         has_main = lens.store.has_model("geometry", args.model)
         return _reports([args.model], lens, instance) if has_main else 0
@@ -298,11 +301,9 @@ def cmd_converge(args: argparse.Namespace) -> int:
     import dagster as dg
 
     from updatelens.orchestration.convergence import convergence_table, plan_convergence, run_convergence
-    from updatelens.orchestration.runner import project_dagster_home
     from updatelens.errors import UpdateLensError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["DAGSTER_HOME"] = str(project_dagster_home())
     try:
         lens = _lens_from(args)
         tokens = [int(t) for t in args.tokens.split(",")]
@@ -311,8 +312,7 @@ def cmd_converge(args: argparse.Namespace) -> int:
         print(f"updatelens converge: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    with dg.DagsterInstance.get() as instance:
-        failure = run_convergence(plan, instance, args.force, log=lambda line: print(line, flush=True))
+    failure = run_convergence(plan, args.force, log=lambda line: print(line, flush=True))
     if failure is not None:
         print(f"updatelens converge: the run failed: {failure}", file=sys.stderr)
         return 1
@@ -394,13 +394,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1
 
 
+def location_name(root: str | Path) -> str:
+    """The UI's code location name for a data root: `updatelens` and the root, as letters, digits,
+    dashes and underscores (e.g. updatelens-work-main-data)."""
+    text = str(root) if is_url(str(root)) else str(Path(root).resolve())
+    return "updatelens-" + (re.sub(r"[^A-Za-z0-9_]+", "-", text).strip("-") or "root")
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     from updatelens.orchestration.runner import project_dagster_home
+    from updatelens.storage.location import default_data_root
 
-    env = dict(os.environ, DAGSTER_HOME=str(project_dagster_home()), HF_HUB_OFFLINE="1")
-    # the code location by module (what workspace.yaml names): works from any directory, installed or not
-    cmd = [sys.executable, "-m", "dagster", "dev", "-m", "updatelens.orchestration.definitions", "-h", args.host, "-p", str(args.port)]
-    print(f"Dagster UI on http://{args.host}:{args.port} (DAGSTER_HOME={env['DAGSTER_HOME']})", flush=True)
+    root = args.data_root or default_data_root()
+    home = project_dagster_home(root)
+    env = dict(os.environ, DAGSTER_HOME=str(home), UPDATELENS_DATA=str(root), HF_HUB_OFFLINE="1")
+    # the code location by module (what workspace.yaml names), named after the data root it serves so the
+    # UI says which root its runs and materializations belong to; works from any directory, installed or not
+    workspace = home / "workspace.yaml"
+    workspace.write_text("load_from:\n  - python_module:\n      module_name: updatelens.orchestration.definitions\n"
+                         f"      location_name: {location_name(root)}\n")
+    cmd = [sys.executable, "-m", "dagster", "dev", "-w", str(workspace), "-h", args.host, "-p", str(args.port)]
+    print(f"Dagster UI on http://{args.host}:{args.port} for the data root {root} (DAGSTER_HOME={home})", flush=True)
     # restore default signal handling so SIGTERM stops the server even when started with `&`
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: (
         signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)))
@@ -414,16 +428,34 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 
 def cmd_notebook(args: argparse.Namespace) -> int:
-    """Open the exploration notebook (marimo) over the data root's catalog."""
+    """Serve the exploration notebook (marimo) over the data root's catalog: the app, with its answers
+    on the page as it opens, or (--edit) an editable copy in the data root."""
     import importlib.util
 
     from updatelens.errors import ConfigError
 
     if importlib.util.find_spec("marimo") is None or importlib.util.find_spec("altair") is None:
         raise ConfigError("the notebook needs marimo and altair: pip install 'updatelens[notebook]'")
+    import shutil
+
     from updatelens.reports import notebook
-    env = dict(os.environ, UPDATELENS_DATA=str(args.data_root or os.environ.get("UPDATELENS_DATA", "data")))
-    cmd = [sys.executable, "-m", "marimo", "edit", notebook.__file__, "--host", args.host, "--port", str(args.port)]
+    from updatelens.storage.location import default_data_root
+
+    root = str(args.data_root or default_data_root())
+    env = dict(os.environ, UPDATELENS_DATA=root)
+    # the app: every cell runs when the page opens, the code stays hidden, and marimo writes nothing
+    # (its editor keeps session files beside the notebook: the editable copy lives in the data root)
+    path = Path(notebook.__file__)
+    if args.edit:
+        if is_url(root):
+            raise ConfigError("--edit keeps its copy of the notebook in the data root: use a local --data-root")
+        copy = Path(root) / "_notebook" / "notebook.py"
+        if not copy.exists():
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, copy)
+        path = copy
+    cmd = [sys.executable, "-m", "marimo", "edit" if args.edit else "run", str(path), "--host", args.host,
+           "--port", str(args.port)]
     if args.headless:
         cmd.append("--headless")
     print(" ".join(cmd), flush=True)

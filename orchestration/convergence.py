@@ -17,6 +17,7 @@ from updatelens.orchestration.runner import (
     contiguous_ranges,
     failure_message,
     materialize_model,
+    root_instance,
     stale_layers,
 )
 from updatelens.storage.layout import convergence_root
@@ -66,19 +67,23 @@ def plan_convergence(model: str, lens: UpdateLensResource, tokens: Sequence[int]
     return ConvergencePlan(model, plans, chosen, report)
 
 
-def run_convergence(plan: ConvergencePlan, instance: dg.DagsterInstance, force: bool = False,
-                    log: Callable[[str], None] = print) -> str | None:
+def run_convergence(plan: ConvergencePlan, force: bool = False, log: Callable[[str], None] = print) -> str | None:
     """Analyse every size's stale layers (all with `force`), smallest first, each contiguous range of
-    layers one in-process run; the first failure's message, or None."""
+    layers one in-process run; the first failure's message, or None. Each size is a data root of its
+    own and its runs go to that root's Dagster instance (`root_instance`), so they never show as the
+    main root's materializations."""
     for n_tokens, sub in plan.sizes:
         todo = plan.layers if force else stale_layers(sub, plan.model, plan.layers)
         log(f"converge: {n_tokens} tokens ({sub.config().n_seq} sequences), layers "
             f"{','.join(map(str, todo)) or 'up to date'}")
-        for layer_range in contiguous_ranges(todo):
-            result = materialize_model(plan.model, sub, instance, layers=layer_range, log_level="INFO",
-                                       raise_on_error=False, report=plan.report)
-            if not result.success:
-                return failure_message(result)
+        if not todo:
+            continue
+        with root_instance(sub.data_root) as instance:
+            for layer_range in contiguous_ranges(todo):
+                result = materialize_model(plan.model, sub, instance, layers=layer_range, log_level="INFO",
+                                           raise_on_error=False, report=plan.report)
+                if not result.success:
+                    return failure_message(result)
     return None
 
 
@@ -104,11 +109,12 @@ class ConvergeConfig(dg.Config):
     force: bool = False
 
 
-@dg.op(description="Analyse nested samples of one model under <data root>/convergence/n_seq=<n>/ (each size's "
-                   "stage runs show as runs of their own) and list each finding against the sample size.")
+@dg.op(description="Analyse nested samples of one model under <data root>/convergence/n_seq=<n>/ (each size a "
+                   "data root with its own Dagster instance, <size root>/_dagster, so its runs never mix with "
+                   "this root's history) and list each finding against the sample size.")
 def converge_sizes(context: dg.OpExecutionContext, config: ConvergeConfig, lens: UpdateLensResource) -> None:
     plan = plan_convergence(config.model, lens, config.tokens, config.layers or None, config.preset)
-    failure = run_convergence(plan, context.instance, config.force, log=context.log.info)
+    failure = run_convergence(plan, config.force, log=context.log.info)
     if failure is not None:
         raise dg.Failure(f"a convergence run failed: {failure}")
     table = convergence_table(lens, config.model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -28,6 +29,7 @@ from updatelens.assets.resources import UpdateLensResource
 from updatelens import CODE_VERSION
 from updatelens.errors import ConfigError
 from updatelens.preflight import Preflight, preflight
+from updatelens.storage.location import default_data_root, is_url
 from updatelens.registry import get_corpus, get_model
 
 
@@ -42,9 +44,38 @@ def dagster_yaml(model_pool_limit: int | None = None) -> str:
 DAGSTER_YAML = dagster_yaml(1)
 
 
-def project_dagster_home(base: Path | None = None) -> Path:
-    """DAGSTER_HOME if set, else `.dagster_home` in the working directory (telemetry and nux off)."""
-    home = Path(os.environ.get("DAGSTER_HOME") or (base or Path.cwd()) / ".dagster_home")
+DAGSTER_DIR = "_dagster"  # a local data root's own Dagster instance: its runs, materializations, checks
+
+
+def root_dagster_home(data_root: str | Path) -> Path:
+    """Where the Dagster instance of a data root lives: `<root>/_dagster` for a local root, so the runs,
+    materializations and check results of a root stay with that root (a UI on one root never shows
+    another's); for an object-store root, `.dagster_home/<the root's url as a name>` in the working
+    directory."""
+    text = str(data_root)
+    if is_url(text):
+        return Path.cwd() / ".dagster_home" / re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
+    return Path(text).resolve() / DAGSTER_DIR
+
+
+def project_dagster_home(data_root: str | Path | None = None) -> Path:
+    """DAGSTER_HOME if set (one instance the user chose for everything), else the data root's own
+    (`root_dagster_home`; default root: $UPDATELENS_DATA or ./data). Telemetry and nux off."""
+    explicit = os.environ.get("DAGSTER_HOME")
+    return prepared_home(Path(explicit) if explicit else root_dagster_home(data_root or default_data_root()))
+
+
+@contextmanager
+def root_instance(data_root: str | Path) -> Iterator[dg.DagsterInstance]:
+    """The Dagster instance of a data root (`root_dagster_home`), whatever DAGSTER_HOME says: for runs
+    into a root other than the one a command serves (the sizes of `converge`), so their history never
+    mixes with the main root's."""
+    with dg.DagsterInstance.from_config(str(prepared_home(root_dagster_home(data_root)))) as instance:
+        yield instance
+
+
+def prepared_home(home: Path) -> Path:
+    """`home` created, with its dagster.yaml (telemetry and nux off) if it has none."""
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "dagster.yaml").exists():
         (home / "dagster.yaml").write_text(dagster_yaml())

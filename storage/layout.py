@@ -434,10 +434,6 @@ def has_model(root: str | Path, table_name: str, model: str) -> bool:
     return _any(as_root(root) / table_name / f"model={model}", f"layer=*/{PART_FILE}")
 
 
-def glob_pattern(root: str | Path, table_name: str) -> str:
-    return url(as_root(root) / table_name) + "/model=*/layer=*/*.parquet"
-
-
 # ---- convention sweeps --------------------------------------------------------------------------
 # A sweep stores each configuration's analysis tables under `<root>/sweeps/config=<id>/` with the
 # same layout as the main tables (so the same writer and the same SQL apply), and one record per
@@ -448,25 +444,8 @@ SWEEPS = "sweeps"  # its tables: updatelens.stages.SWEEP_TABLES
 SWEEP_RUN_FILE = "run.parquet"
 
 
-def family_glob_pattern(root: str | Path, folder: str, key: str, table_name: str) -> str:
-    """The Parquet files of a table across the data roots of a family (`<root>/<folder>/<key>=*/`)."""
-    return url(as_root(root) / folder) + f"/{key}=*/{table_name}/model=*/layer=*/*.parquet"
-
-
-def has_family_files(root: str | Path, folder: str, key: str, table_name: str) -> bool:
-    return _any(as_root(root) / folder, f"{key}=*/{table_name}/model=*/layer=*/{PART_FILE}")
-
-
 def sweep_root(root: str | Path, config_id: str) -> UPath:
     return as_root(root) / SWEEPS / f"config={config_id}"
-
-
-def sweep_glob_pattern(root: str | Path, table_name: str) -> str:
-    return family_glob_pattern(root, SWEEPS, "config", table_name)
-
-
-def has_sweep_files(root: str | Path, table_name: str) -> bool:
-    return has_family_files(root, SWEEPS, "config", table_name)
 
 
 def sweep_runs_dir(root: str | Path, model: str) -> UPath:
@@ -508,11 +487,3 @@ CONVERGENCE = "convergence"
 
 def convergence_root(root: str | Path, n_seq: int) -> UPath:
     return as_root(root) / CONVERGENCE / f"n_seq={n_seq}"
-
-
-def convergence_glob_pattern(root: str | Path, table_name: str) -> str:
-    return family_glob_pattern(root, CONVERGENCE, "n_seq", table_name)
-
-
-def has_convergence_files(root: str | Path, table_name: str) -> bool:
-    return has_family_files(root, CONVERGENCE, "n_seq", table_name)

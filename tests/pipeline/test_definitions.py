@@ -83,6 +83,9 @@ def test_deployment_profiles_select_the_executor_and_route_steps(monkeypatch) ->
         assert tags["dagster-celery/queue"] == queue, step
         resources = json.loads(tags["dagster-k8s/config"])["container_config"]["resources"]
         assert ("nvidia.com/gpu" in resources["requests"]) == (queue == "gpu"), step
+    # every other asset that loads a model goes where models run too
+    sweep = defs.resolve_assets_def("convention_sweep")
+    assert sweep.op.tags["dagster-celery/queue"] == "gpu"
 
 
 def test_automated_runs_use_the_code_locations_settings(monkeypatch) -> None:  # noqa: ANN001

@@ -302,9 +302,17 @@ def test_converge_job_analyses_each_sample_size_and_fills_the_convergence_view(z
     output = next(e for e in result.all_events if e.event_type_value == "STEP_OUTPUT")
     table = output.step_output_data.metadata["convergence"]  # the op shows the view as a table
     assert isinstance(table, dg.TableMetadataValue) and len(table.records) == len(rows)
-    runs_before = len(instance.get_run_records())
+    # the sizes' stage runs live with their own roots: this instance holds the converge run alone
+    assert len(instance.get_run_records()) == 1
+    assert instance.get_latest_materialization_event(dg.AssetKey("geometry")) is None
+    from updatelens.orchestration.runner import root_dagster_home
+    from updatelens.storage.layout import convergence_root
+
+    for n_seq in (4, 8):
+        with dg.DagsterInstance.from_config(str(root_dagster_home(convergence_root(tmp_path, n_seq)))) as size:
+            assert size.get_run_records() and size.get_latest_materialization_event(dg.AssetKey("geometry"))
     again = converge_job.execute_in_process(run_config=config, resources={"lens": lens}, instance=instance)
-    assert again.success and len(instance.get_run_records()) == runs_before + 1  # no stage run: up to date
+    assert again.success and len(instance.get_run_records()) == 2  # no stage run: up to date
     bad = {"ops": {"converge_sizes": {"config": {"model": "tiny-llama", "tokens": [SEQ_LEN + 1], "preset": ""}}}}
     failed = converge_job.execute_in_process(run_config=bad, resources={"lens": lens}, instance=instance,
                                              raise_on_error=False)

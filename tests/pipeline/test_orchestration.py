@@ -175,3 +175,30 @@ def test_named_jobs_and_model_pool() -> None:
     assert "default_limit: 2" in dagster_yaml(2)
     with dg.instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
         assert instance.get_concurrency_config().pool_config.default_pool_limit == 1
+
+
+def test_each_data_root_has_its_own_dagster_instance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without DAGSTER_HOME, a root's runs and materializations live under the root (`_dagster`), so a
+    UI on one root never shows another's; an object-store root gets a home named after its url."""
+    from updatelens.orchestration.runner import project_dagster_home
+
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    a, b = project_dagster_home(tmp_path / "a"), project_dagster_home(tmp_path / "b")
+    assert a == (tmp_path / "a" / "_dagster").resolve() and b == (tmp_path / "b" / "_dagster").resolve()
+    assert "enabled: false" in (a / "dagster.yaml").read_text()  # telemetry and nux off
+    monkeypatch.chdir(tmp_path)
+    assert project_dagster_home("s3://bucket/lens") == tmp_path / ".dagster_home" / "s3_bucket_lens"
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "mine"))  # the user's choice wins
+    assert project_dagster_home(tmp_path / "a") == tmp_path / "mine"
+
+
+def test_the_run_tags_the_product_writes_are_dagsters_own() -> None:
+    """The partition tags are spelled out in the product (Dagster's public API does not export them);
+    they must stay the values Dagster reads."""
+    from dagster._core.storage import tags
+
+    from updatelens.assets import partitions
+
+    assert partitions.PARTITION_NAME_TAG == tags.PARTITION_NAME_TAG
+    assert partitions.ASSET_PARTITION_RANGE_START_TAG == tags.ASSET_PARTITION_RANGE_START_TAG
+    assert partitions.ASSET_PARTITION_RANGE_END_TAG == tags.ASSET_PARTITION_RANGE_END_TAG

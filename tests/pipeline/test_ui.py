@@ -15,6 +15,7 @@ import dagster as dg
 import pytest
 
 from updatelens.assets.partitions import model_keys
+from updatelens.orchestration.commands import location_name
 from updatelens.orchestration.runner import dagster_yaml
 from tests.pipeline.test_webserver import REPO, free_port, graphql, start_webserver, wait_ready
 
@@ -35,6 +36,10 @@ def test_updatelens_ui_starts_and_stops_on_sigterm(tmp_path: Path) -> None:
         wait_ready(proc, port, timeout=180)
         names = {n["assetKey"]["path"][0] for n in graphql(port, "{ assetNodes { assetKey { path } } }")["data"]["assetNodes"]}
         assert "functional_metrics" in names
+        # the code location is named after the data root the UI serves
+        entries = graphql(port, "{ workspaceOrError { ... on Workspace { locationEntries { name } } } }")
+        assert [e["name"] for e in entries["data"]["workspaceOrError"]["locationEntries"]] == \
+            [location_name(tmp_path / "data")]
         assert "enabled: false" in (home / "dagster.yaml").read_text()  # telemetry and nux off
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) is not None
