@@ -86,10 +86,10 @@ class LinearHead:
     chunk: int = 2048
 
     def expected_row(self, p: torch.Tensor) -> torch.Tensor:
-        """sum_v p_v w_v for p [m, V] (float64), the weight cast a chunk at a time: [m, d] float64."""
+        """sum_v p_v w_v for p [m, V], in float64 with p and the weight cast a chunk at a time: [m, d]."""
         out = torch.zeros((p.shape[0], self.weight.shape[1]), dtype=torch.float64, device=p.device)
         for start in range(0, self.weight.shape[0], self.chunk):
-            out += p[:, start : start + self.chunk] @ self.weight[start : start + self.chunk].double()
+            out += p[:, start : start + self.chunk].double() @ self.weight[start : start + self.chunk].double()
         return out
 
     def shifted_logsumexp(self, delta_h: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -171,15 +171,30 @@ class OriginalOutput:
         index: tuple = (_as_index(seqs),) if positions is None else (seqs, positions)
         if positions is not None:
             out = out[torch.arange(len(seqs)), positions]
-        logp = self.logp[index]
         if self.head is None:
+            logp = self.logp[index]
             logq = torch.log_softmax(out.float(), dim=-1).to(logp.device)
             return kl_rows(logp, logq).double()
         assert self.head_input is not None and self.mean_row is not None
         delta_h = out - self.head_input[index]
-        shape = delta_h.shape[:-1]
-        lse = self.head.shifted_logsumexp(delta_h.reshape(-1, delta_h.shape[-1]), logp.reshape(-1, logp.shape[-1]))
+        shape, d = delta_h.shape[:-1], delta_h.shape[-1]
+        if positions is not None:  # [b, V]: one row per patched position
+            lse = self.head.shifted_logsumexp(delta_h, self.logp[index])
+        else:  # rows of consecutive sequences read as views of logp: a list index would copy b x T x V floats
+            lse = torch.cat([self.head.shifted_logsumexp(delta_h[i:j].reshape(-1, d),
+                                                         self.logp[rows].reshape(-1, self.logp.shape[-1]))
+                             for i, j, rows in _consecutive_runs(seqs)])
         return lse.reshape(shape) - (delta_h.double() * self.mean_row[index]).sum(dim=-1)
+
+
+def _consecutive_runs(seqs: list[int]) -> list[tuple[int, int, slice]]:
+    """(first row, end row, the sequences as a slice) for each run of consecutive sequences in `seqs`."""
+    runs, start = [], 0
+    for i in range(1, len(seqs) + 1):
+        if i == len(seqs) or seqs[i] != seqs[i - 1] + 1:
+            runs.append((start, i, slice(seqs[start], seqs[i - 1] + 1)))
+            start = i
+    return runs
 
 
 def _as_index(seqs: list[int]) -> slice | list[int]:
@@ -193,38 +208,76 @@ def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_hea
                     resume: tuple[int, np.ndarray] | None = None, returns_tuple: bool = False) -> OriginalOutput:
     """The unpatched pass over the sample. The head takes the fast path only if it is a bias-free
     or biased `nn.Linear` whose output is exactly the model's logits (no scaling or soft-capping
-    after it); `fast_head=False` forces the plain definition.
+    after it: checked on the first sequence); `fast_head=False` forces the plain definition.
+
+    On the fast path the forward stops before the head and the logits are made one sequence at a
+    time from the head's input, so memory holds one sequence's logits beside the log-probabilities
+    kept (a 262,144-token vocabulary makes a 16-sequence batch's logits 2 GiB).
 
     resume=(layer, h) with h [n_seq, T, d] the captured output of block `layer` starts the pass
     after that block (as the patched passes do, see `resume_at_block`): the same distributions
     for (L - layer - 1) / L of the blocks; the functional stage checks it against a full forward."""
     module = output_layer(lm)
     head = LinearHead(module.weight) if fast_head and isinstance(module, nn.Linear) else None
-    logp: torch.Tensor | None = None  # [n_seq, T, V] filled in place: no second copy from a cat
-    inputs, mean_rows = [], []
+
+    def forward(start: int, stop: int, bypass: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, None), or with `bypass` (head input, None); the head's recorded output beside
+        the logits when `head` is set and not bypassed (the check)."""
+        ids = torch.as_tensor(input_ids[start:stop], device=lm.device)
+        resumed = (resume_at_block(lm.blocks, resume[0], torch.as_tensor(resume[1][start:stop], device=lm.device),
+                                   returns_tuple) if resume is not None else nullcontext())
+        if bypass:
+            assert module is not None
+            with resumed, head_bypassed(module) as seen:
+                lm.model(input_ids=ids, use_cache=False, **_padding_kwargs(lm, ids))
+            return seen["input"], None
+        with resumed, recording_head(module) if head is not None else nullcontext({}) as seen:  # type: ignore[arg-type]
+            logits = lm.model(input_ids=ids, use_cache=False, **_padding_kwargs(lm, ids)).logits
+        return logits, seen.get("output")
+
     with torch.inference_mode():
-        for start in range(0, len(input_ids), batch):
-            ids = torch.as_tensor(input_ids[start : start + batch], device=lm.device)
-            resumed = (resume_at_block(lm.blocks, resume[0], torch.as_tensor(resume[1][start : start + batch],
-                                                                             device=lm.device), returns_tuple)
-                       if resume is not None else nullcontext())
-            with resumed, recording_head(module) if head is not None else nullcontext({}) as seen:  # type: ignore[arg-type]
-                logits = lm.model(input_ids=ids, use_cache=False, **_padding_kwargs(lm, ids)).logits
-            if head is not None and not torch.equal(seen["output"].to(logits.dtype), logits):
+        if head is not None:  # is the head's output the model's logits? (one sequence)
+            logits, recorded = forward(0, 1, bypass=False)
+            if recorded is None or not torch.equal(recorded.to(logits.dtype), logits):
                 return original_output(lm, input_ids, batch, False, resume, returns_tuple)  # post-processed logits
-            if logp is None:
-                logp = torch.empty((len(input_ids), *logits.shape[1:]), dtype=torch.float32, device=logits.device)
+            del logits, recorded
+        logp: torch.Tensor | None = None  # [n_seq, T, V] filled in place: no second copy from a cat
+        inputs, mean_rows = [], []
+        for start in range(0, len(input_ids), batch):
+            stop = min(len(input_ids), start + batch)
+            out, _ = forward(start, stop, bypass=head is not None)
             if head is not None:
-                inputs.append(seen["input"])
-            for i, row in enumerate(logits):  # one sequence at a time: float64 [T, V] temporaries stay small
-                row_logp = torch.log_softmax(row.double(), dim=-1)
-                logp[start + i] = row_logp
-                if head is not None:
-                    mean_rows.append(head.expected_row(row_logp.exp_()))
+                inputs.append(out)
+            for i in range(stop - start):  # a sequence at a time, in runs of positions: float64 [t, V] temporaries
+                for p0, p1 in _position_runs(out.shape[1], vocab_size(lm)):  # of at most TEMP_BYTES
+                    row = module(out[i, p0:p1]) if head is not None else out[i, p0:p1]  # type: ignore[misc]
+                    if logp is None:
+                        logp = torch.empty((len(input_ids), out.shape[1], row.shape[-1]), dtype=torch.float32,
+                                           device=row.device)
+                    row_logp = torch.log_softmax(row.double(), dim=-1)
+                    del row
+                    logp[start + i, p0:p1] = row_logp
+                    del row_logp
+                if head is not None:  # p in float32 (a relative 6e-8), the sum over the vocabulary in float64
+                    mean_rows.append(head.expected_row(logp[start + i].exp()))
     assert logp is not None, "empty sample"
     if head is None:
         return OriginalOutput(logp)
     return OriginalOutput(logp, head, torch.cat(inputs), torch.stack(mean_rows))
+
+
+TEMP_BYTES = 2**27  # float64 log-probabilities made at once by the unpatched pass: 128 MiB
+
+
+def vocab_size(lm: LoadedModel) -> int:
+    return int(lm.model.config.get_text_config().vocab_size)
+
+
+def _position_runs(n_positions: int, vocab: int) -> list[tuple[int, int]]:
+    """Runs of positions whose float64 log-probabilities fit in TEMP_BYTES (Gemma's 262,144-token
+    vocabulary: 64 positions; SmolLM2's 49,152: a whole 128-token sequence)."""
+    step = max(1, TEMP_BYTES // (vocab * 8))
+    return [(p, min(n_positions, p + step)) for p in range(0, n_positions, step)]
 
 
 def patched_outputs(lm: LoadedModel, ids: torch.Tensor, layer: int, state: torch.Tensor,

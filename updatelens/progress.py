@@ -54,7 +54,7 @@ def _duration(seconds: float) -> str:
 class Progress:
     """Work done of `total`; see the module docstring."""
 
-    def __init__(self, desc: str, total: int, unit: str, log_every: float = 0.1) -> None:
+    def __init__(self, desc: str, total: int, unit: str, log_every: float = 0.05) -> None:
         self.desc, self.total, self.unit = desc, max(int(total), 0), unit
         self.done = 0
         self._lock = threading.Lock()  # updates may come from worker threads (threaded fits)
@@ -96,7 +96,7 @@ class Progress:
 
 
 @contextmanager
-def progress(desc: str, total: int, unit: str = "it", log_every: float = 0.1) -> Iterator[Progress]:
+def progress(desc: str, total: int, unit: str = "it", log_every: float = 0.05) -> Iterator[Progress]:
     bar = Progress(desc, total, unit, log_every)
     try:
         yield bar

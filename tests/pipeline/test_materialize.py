@@ -96,7 +96,7 @@ def test_a_query_answers_with_the_tokens_text(run, zoo: Path) -> None:
 def test_the_run_log_shows_the_progress_of_capture_fits_and_patched_passes(run) -> None:
     _, instance = run
     messages = [entry.user_message for run_ in instance.get_runs() for entry in instance.all_logs(run_.run_id)]
-    for expected in (f"tiny-gpt2: capture: {N_SEQ}/{N_SEQ} seq (100%)", "tiny-llama layer 1: fit lowrank: ",
+    for expected in (f"tiny-gpt2: capture: {N_SEQ * N_LAYERS}/{N_SEQ * N_LAYERS} seq x block (100%)", "tiny-llama layer 1: fit lowrank: ",
                      f"tiny-mamba: patched passes: {N_SEQ * N_LAYERS}/{N_SEQ * N_LAYERS} seq x layer (100%)"):
         assert any(expected in m for m in messages), expected
 
@@ -113,6 +113,37 @@ def test_the_notebook_runs_headless_over_the_catalog(run) -> None:
     done = subprocess.run([sys.executable, "-m", "updatelens.reports.notebook"], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.needs_tool(("chromium", "chromium-browser"), "apt-get install chromium")
+def test_the_served_notebook_opens_with_its_answers(run, tmp_path: Path) -> None:
+    """`updatelens notebook` serves the app: in a headless browser, without a click, the page shows the
+    findings table (with verdicts) and the charts; nothing is written into the repository."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.browser import open_page
+    from tests.pipeline.test_webserver import REPO, free_port
+
+    lens, _ = run
+    port = free_port()
+    before = set(REPO.glob("reports/__marimo__/**/*"))
+    proc = subprocess.Popen([sys.executable, "-m", "updatelens.orchestration.cli", "notebook", "--headless",
+                             "--port", str(port), "--data-root", str(lens.root)],
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with open_page(f"http://127.0.0.1:{port}/", tmp_path / "profile", height=2400) as page:
+            text = page.wait_for(lambda t: "claims hold" in t and "verdict" in t and "2 projection" in t, 180)
+            assert "Layer curves" in text and "Error against KL" in text
+            assert page.count("canvas, svg.marks") >= 2  # the layer curves and the error-against-KL plot drawn
+            page.screenshot(tmp_path / "notebook.png")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert set(REPO.glob("reports/__marimo__/**/*")) == before  # the app writes nothing beside the notebook
 
 
 def test_materializations_name_their_views_and_carry_column_schemas_and_a_partition_table(run) -> None:

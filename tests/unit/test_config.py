@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import numpy as np
+
 import pytest
 
 from updatelens.config import AnalysisConfig
@@ -19,7 +21,6 @@ BAD = [
     (dict(seq_len=300), "exceeds the model's context of 256"),
     (dict(device="tpu"), "device must be"),
     (dict(bootstrap=-1), "bootstrap and bootstrap_spectra must be >= 0"),
-    (dict(bootstrap=10, bootstrap_spectra=20), "bootstrap_spectra=20 exceeds bootstrap=10"),
     (dict(kl_block=0), "kl_block and kl_budget_mb must be >= 1"),
     (dict(index="annoy"), "unknown index"),
 ]
@@ -86,3 +87,12 @@ def test_the_kl_block_is_sized_from_the_vocabulary() -> None:
     assert cfg.kl_block_size(262_144) == 4  # Gemma 3: 128 MiB a sequence, 512 MiB budget
     assert cfg.replace(kl_budget_mb=1).kl_block_size(262_144) == 1
     assert cfg.replace(kl_budget_mb=64).config_id == cfg.config_id  # batching, not results
+
+
+def test_fewer_resamples_than_the_spectra_default_resample_the_spectra_on_all_of_them() -> None:
+    from updatelens.analysis import LayerGeometry
+
+    cfg = AnalysisConfig(n_seq=4, bootstrap=10)
+    cfg.validate()
+    assert cfg.bootstrap_spectra > cfg.bootstrap
+    assert LayerGeometry(cfg, ["diagonal"], 8, np.arange(4)).n_spec == 10
