@@ -26,8 +26,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-DEEP_TEXT = """(() => { const out = [];
+DEEP_TEXT = """(() => { const out = []; const skip = new Set(['SCRIPT', 'STYLE', 'TEMPLATE', 'NOSCRIPT']);
   const walk = (n) => { if (n.nodeType === 3) out.push(n.textContent);
+    if (n.nodeType === 1 && skip.has(n.tagName)) return;
     if (n.shadowRoot) walk(n.shadowRoot); n.childNodes.forEach(walk); };
   if (document.body) walk(document.body); return out.join(' '); })()"""
 DEEP_COUNT = """(() => { let count = 0;
@@ -54,8 +55,8 @@ class Page:
         return self.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value")
 
     def text(self) -> str:
-        """The page's text, with that of its web components' shadow roots (where marimo draws its
-        tables and charts)."""
+        """The page's rendered text (not its scripts), with that of its web components' shadow roots
+        (where marimo draws its tables and charts)."""
         return str(self.evaluate(DEEP_TEXT) or "")
 
     def count(self, selector: str) -> int:
