@@ -132,10 +132,9 @@ def stage_asset(fn):  # noqa: ANN001, ANN201 - a decorator
     """A stage's asset, from its description in updatelens.stages (the function's name is the
     stage's): (model, layer) partitions, single-run backfills (a model's key range runs in one
     process, also when declarative automation requests it), eager automation, the engine's code
-    version, the stage's checks, its upstream stage, and where its step may run (a stage that holds
+    version, the stage's checks, the stages whose tables it reads, and where its step may run (a stage that holds
     the model joins the `model` pool and goes to GPU workers: routing)."""
     stage = BY_NAME[fn.__name__]
-    before = upstream(stage.name)
 
     @functools.wraps(fn)
     def logged(context: dg.AssetExecutionContext, lens: object) -> object:
@@ -150,7 +149,7 @@ def stage_asset(fn):  # noqa: ANN001, ANN201 - a decorator
         group_name=stage.group,
         code_version=CODE_VERSION,
         kinds=set(stage.kinds),
-        deps=[dg.AssetKey(before.name)] if before else [],
+        deps=[dg.AssetKey(s.name) for s in upstream(stage.name)],
         pool=MODEL_POOL if stage.needs_model else None,
         op_tags=step_tags(needs_model=stage.needs_model),
         check_specs=checks.specs(stage.name),

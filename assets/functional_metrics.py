@@ -42,8 +42,7 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
         heads = {}
         for layer in layers:  # configuration and lineage of every input, before any heavy work
             heads[layer] = check_upstream(store, "activations", model, layer, cfg)
-            for table in ("local_fits", "geometry"):
-                check_upstream(store, table, model, layer, cfg)
+            check_upstream(store, "local_fits", model, layer, cfg)
         index = store.partition("activations", model, layers[0]).read(["seq", "pos", "token_id", "kept"])
         index = index.sort_by([("seq", "ascending"), ("pos", "ascending")])
         n_seq = int(index["seq"].to_numpy().max()) + 1

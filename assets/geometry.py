@@ -22,8 +22,7 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.
     for model, layers in each_model(context, store):
         for layer in layers:
             prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg)
-            for table in ("local_fits", "residuals"):  # lineage and config check
-                check_upstream(store, table, model, layer, cfg)
+            check_upstream(store, "local_fits", model, layer, cfg)  # what it reads: lineage and config
             blocks = seq_blocks(cfg)
             docs = sample_docs(store.partition("activations", model, layer).read(["seq", "doc"]))
             geo = None

@@ -33,16 +33,17 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
             key = f"{model}:{layer:02d}"
             target = store.partition("residuals", model, layer)
             previous = _previous_quantiles(target, cfg.config_id)
-            gaps = checks.Verdict()
             n_kept = 0
             with target.writer() as sink:
                 for lo, hi in seq_blocks(cfg):
                     data, fits = read_block(store, model, layer, lo, hi)
-                    table = residuals_table(data, fits, prov)
-                    gaps.merge(checks.check_reconstruction_gap(table, data, fits, lens.checks))
-                    sink.write(table)
+                    sink.write(residuals_table(data, fits, prov))
                     n_kept += int(data.kept.sum())
             written.record(target, sink.rows)
+            gaps = checks.Verdict()  # the stored residual vectors, read back block by block, against the fits
+            for lo, hi in seq_blocks(cfg):
+                data, fits = read_block(store, model, layer, lo, hi)
+                gaps.merge(checks.check_reconstruction_gap(target.seqs(lo, hi), data, fits, lens.checks))
             stored = target.read(SCALARS)
             recon[key] = checks.check_reconstruction(stored, n_kept, cfg, gaps)
             bounds[key] = checks.check_rel_err_bounds(stored, lens.checks)

@@ -21,6 +21,7 @@ class Stage:
     checks: tuple[str, ...]  # its asset checks (defined in assets/checks.py)
     kinds: tuple[str, ...]  # the technologies the UI shows on the asset
     description: str
+    reads: tuple[str, ...] = ()  # the stages whose tables it reads: its Dagster dependencies, nothing else
 
 
 STAGES: tuple[Stage, ...] = (
@@ -32,21 +33,21 @@ STAGES: tuple[Stage, ...] = (
     Stage("local_fits", "decomposition", ("local_fits",), False,
           ("fits_valid", "fits_refit_audit"), ("faiss", "parquet"),
           "T(x) at every kept token for each function class, fitted on the token's k nearest neighbours "
-          "(other sequences) and evaluated out of sample; fit condition numbers."),
+          "(other sequences) and evaluated out of sample; fit condition numbers.", ("activations",)),
     Stage("residuals", "decomposition", ("residuals",), False,
           ("residuals_match_fits", "rel_err_within_bounds", "no_blown_up_fits", "rel_err_drift"), ("parquet",),
           "Residual r = y - T(x) per token and class, with ||Δ_full||, ||Δ_tok||, ||r|| and the relative "
-          "error ||r|| / ||Δ_full||."),
+          "error ||r|| / ||Δ_full||.", ("activations", "local_fits")),
     Stage("geometry", "analysis", ("geometry", "spectra", "geometry_bootstrap"), False,
           ("geometry_ranges",), ("parquet",),
           "Per token: cosines and angles between Δ_full, Δ_tok and r (update and map forms), projection "
           "energies on the top-m tokenwise subspace; per layer: singular spectra (table `spectra`) and the "
-          "findings' statistics on bootstrap resamples (`geometry_bootstrap`)."),
+          "findings' statistics on bootstrap resamples (`geometry_bootstrap`).", ("activations", "local_fits")),
     Stage("functional_metrics", "analysis", ("functional_metrics", "functional_summary", "functional_bootstrap"),
           True, ("functional_valid",), ("pytorch", "parquet"),
           "Per token KL of the next-token distribution when block l's output is replaced by T(h_l) (residual "
           "removed), plus random-direction and cruder-class controls; per layer Spearman(error, KL) in table "
-          "`functional_summary`."),
+          "`functional_summary`.", ("activations", "local_fits")),
 )
 
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
@@ -58,11 +59,11 @@ TABLES: tuple[str, ...] = tuple(t for s in STAGES for t in s.tables)
 # their resamples (so that a setting's finding has an interval, paired with the baseline's).
 SWEEP_TABLES: tuple[str, ...] = ("geometry", "spectra", "geometry_bootstrap", "functional_metrics",
                                  "functional_summary", "functional_bootstrap")
-# written by the last stage: present only if the whole chain ran for a (model, layer)
+# written by the last stage; whether a (model, layer) is complete is every table's presence
 LAST_TABLE: str = STAGES[-1].tables[-1]
 
 
-def upstream(name: str) -> Stage | None:
-    """The stage whose tables `name` reads (the stages form a chain), None for the first."""
-    i = STAGE_NAMES.index(name)
-    return STAGES[i - 1] if i else None
+def upstream(name: str) -> tuple[Stage, ...]:
+    """The stages whose tables `name` reads (a stage waits for these and no other): residuals,
+    geometry and the output perturbation each read the activations and the local fits only."""
+    return tuple(BY_NAME[s] for s in BY_NAME[name].reads)

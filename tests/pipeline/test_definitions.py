@@ -9,16 +9,16 @@ from updatelens.orchestration.definitions import defs
 LINEAGE = {
     "activations": set(),
     "local_fits": {"activations"},
-    "residuals": {"local_fits"},
-    "geometry": {"residuals"},
-    "functional_metrics": {"geometry"},
+    "residuals": {"activations", "local_fits"},  # each stage depends on the stages whose tables it reads
+    "geometry": {"activations", "local_fits"},
+    "functional_metrics": {"activations", "local_fits"},
 }
 
 
 # per model (its slug), reading every (model, layer) partition upstream
 PER_MODEL = {
     "convention_sweep": (set(), "models"),
-    "report": ({"functional_metrics", "convention_sweep"}, "models"),
+    "report": ({"geometry", "functional_metrics", "convention_sweep"}, "models"),
     "comparison_report": ({"report"}, None),
 }
 
