@@ -5,6 +5,7 @@ Gram matrices (the dominant subspace and the spectra come from them), the second
 per-token geometry block by block; memory holds a block whatever the sample size."""
 
 import dagster as dg
+import pyarrow.compute as pc
 
 from updatelens.assets import checks
 from updatelens.assets.common import Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
@@ -39,6 +40,7 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.
             written.record(target, sink.rows)
             stored_spec = written.add(store.partition("spectra", model, layer), geo.spectra_table(prov, layer))
             written.add(store.partition("geometry_bootstrap", model, layer), geo.bootstrap_table(prov, layer))
-            verdicts[f"{model}:{layer:02d}"] = checks.check_geometry(target.read(), stored_spec)
+            n_kept = int(pc.sum(store.partition("activations", model, layer).read(["kept"])["kept"]).as_py())
+            verdicts[f"{model}:{layer:02d}"] = checks.check_geometry(target.read(), stored_spec, n_kept, cfg.classes)
     return finish(store, cfg, written, check_results=[
         checks.result("geometry", "geometry_ranges", verdicts, lens.checks)])

@@ -41,7 +41,7 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> d
             written.record(target, sink.rows)
             written.note(model, layer, degenerate_fits=degenerate)
             verdicts[f"{model}:{layer:02d}"] = checks.check_fits(target.parts(["fn_class", "seq", "pos", "degenerate", "tx"]),
-                                                                 cfg, data.x.shape[1], lens.checks, data.x, neighbours)
+                                                                 cfg, data.x.shape[1], lens.checks, len(data.x))
             audits[f"{model}:{layer:02d}"] = checks.refit_audit(target.parts(["fn_class", "neighbours", "tx"]),
                                                                 data.x, data.y, cfg, lens.checks)
             context.log.info(f"{model} layer {layer}: fitted {', '.join(cfg.classes)}")

@@ -216,6 +216,22 @@ def test_broken_reconstruction_in_the_stored_residuals_fails_the_run(zoo: Path, 
     assert materialized(instance, "geometry")  # geometry does not read the residuals
 
 
+def test_a_block_written_twice_by_the_streamed_geometry_fails_its_check(zoo: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The geometry stage writes a block of its per-token rows twice: the stored file has more rows
+    than kept tokens x classes, and duplicates, which geometry_ranges reports."""
+    from updatelens.analysis import LayerGeometry
+
+    original = LayerGeometry.token_table
+    monkeypatch.setattr(LayerGeometry, "token_table",
+                        lambda self, *args: pa.concat_tables([original(self, *args)] * 2))
+    result, _ = run(zoo, tmp_path)
+    evaluation = evaluations(result)["geometry_ranges"]
+    assert not evaluation.passed
+    assert "ExpectTableRowCountToEqual" in evaluation.description
+    assert "ExpectCompoundColumnsToBeUnique" in evaluation.description
+
+
 def test_unnormalised_distributions_fail_the_functional_check_before_the_clamp(
         zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Original log-probabilities off by a constant (p no longer sums to 1): the KL goes negative

@@ -234,3 +234,24 @@ def test_orthogonal_span_solution_is_identity_outside_the_data_span() -> None:
 
     res = fit_orthogonal(torch.tensor(X), torch.tensor(Y - X), torch.tensor(outside[None]), FitParams(orthogonal_scale=False))
     np.testing.assert_allclose(res.tx.numpy()[0], outside, atol=1e-10)
+
+
+@pytest.mark.parametrize("fn_class", ["diagonal", "psd_diagonal", "lowrank", "orthogonal", "global_linear"])
+def test_every_linear_class_fitted_on_a_zero_update_returns_x(fn_class: str) -> None:
+    """y = x: every linear class's T(x) is x (to 1e-6 of ||x||), whatever its ridge; an invariant of
+    the solvers (tested here), not something a stored file could violate."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((120, 24)) * rng.uniform(0.5, 3.0, 24)
+    params = FitParams(rank=4, ridge=1e-3, orthogonal_scale=True)
+    if fn_class == "global_linear":
+        from updatelens.fits.global_linear import fit_global_linear
+
+        X = torch.as_tensor(x)
+        B, _ = fit_global_linear(X, X, params)
+        tx = (X + X @ B).numpy()
+    else:
+        neighbours = knn(x, np.arange(len(x)), 16, exclusion="self")
+        tx = fit_local_batched(fn_class, x, x, neighbours, params).tx.numpy()
+    err = np.linalg.norm(tx - x, axis=1) / np.linalg.norm(x, axis=1)
+    assert err.max() <= 1e-6, (fn_class, err.max())
+
