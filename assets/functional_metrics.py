@@ -72,6 +72,7 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
                             lm, data, reference, cfg.patch_batch, returns_tuple, lens.checks)
                     bar.update(hi - lo)
                 del orig
+                reference = None  # the identity checks ran on the first block: its memory goes
         for layer in layers:
             prov = Provenance.of_rows(heads[layer], cfg)
             fm, fs = functional_tables_from_rows(rows.pop(layer), cfg, prov, layer)

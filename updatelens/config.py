@@ -98,8 +98,9 @@ class AnalysisConfig:
     # kl_block x seq_len x vocabulary x 4 bytes (SmolLM2: 16 x 128 x 49,152 x 4 = 403 MB), whatever n_seq
     kl_block: int = 16
     # ... and at most this many MiB of them: a 262,144-token vocabulary (Gemma) makes one 128-token
-    # sequence 128 MiB of float32 log-probabilities, so its block is 4 sequences (`kl_block_size`)
-    kl_budget_mb: int = 512
+    # sequence 128 MiB of float32 log-probabilities, so its block is 2 sequences (`kl_block_size`;
+    # SmolLM2's 10): with 512, Gemma's default job peaked at 3.3 GiB
+    kl_budget_mb: int = 256
     # execution
     capture_batch: int = 8
     device: str = "cpu"
@@ -175,6 +176,9 @@ class AnalysisConfig:
             bad(f"bootstrap and bootstrap_spectra must be >= 0, got {self.bootstrap}, {self.bootstrap_spectra}")
         if not self.subspace_ms or min(self.subspace_ms) < 1:
             bad(f"subspace_ms must be positive integers, got {self.subspace_ms}")
+        if 16 not in self.subspace_ms:  # the views read proj_*_m16 (finding "2 projection", layer_summary)
+            bad(f"subspace_ms must include 16 (finding 2's projection and the per-layer summary read the "
+                f"top-16 projections), got {self.subspace_ms}")
         if not 0 < self.energy_threshold <= 1:
             bad(f"energy_threshold must be in (0, 1], got {self.energy_threshold}")
         if "crude" in self.controls:

@@ -85,11 +85,12 @@ class LinearHead:
     weight: torch.Tensor  # [V, d]
     chunk: int = 2048
 
-    def expected_row(self, p: torch.Tensor) -> torch.Tensor:
-        """sum_v p_v w_v for p [m, V], in float64 with p and the weight cast a chunk at a time: [m, d]."""
-        out = torch.zeros((p.shape[0], self.weight.shape[1]), dtype=torch.float64, device=p.device)
+    def expected_row(self, logp: torch.Tensor) -> torch.Tensor:
+        """sum_v p_v w_v for log-probabilities [m, V], in float64, p and the weight made a chunk of the
+        vocabulary at a time (no [m, V] temporary): [m, d]."""
+        out = torch.zeros((logp.shape[0], self.weight.shape[1]), dtype=torch.float64, device=logp.device)
         for start in range(0, self.weight.shape[0], self.chunk):
-            out += p[:, start : start + self.chunk].double() @ self.weight[start : start + self.chunk].double()
+            out += logp[:, start : start + self.chunk].double().exp_() @ self.weight[start : start + self.chunk].double()
         return out
 
     def shifted_logsumexp(self, delta_h: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -258,15 +259,15 @@ def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_hea
                     del row
                     logp[start + i, p0:p1] = row_logp
                     del row_logp
-                if head is not None:  # p in float32 (a relative 6e-8), the sum over the vocabulary in float64
-                    mean_rows.append(head.expected_row(logp[start + i].exp()))
+                if head is not None:  # from the stored float32 log p (a relative 6e-8), summed in float64
+                    mean_rows.append(head.expected_row(logp[start + i]))
     assert logp is not None, "empty sample"
     if head is None:
         return OriginalOutput(logp)
     return OriginalOutput(logp, head, torch.cat(inputs), torch.stack(mean_rows))
 
 
-TEMP_BYTES = 2**27  # float64 log-probabilities made at once by the unpatched pass: 128 MiB
+TEMP_BYTES = 2**26  # float64 log-probabilities made at once by the unpatched pass: 64 MiB
 
 
 def vocab_size(lm: LoadedModel) -> int:
@@ -275,7 +276,7 @@ def vocab_size(lm: LoadedModel) -> int:
 
 def _position_runs(n_positions: int, vocab: int) -> list[tuple[int, int]]:
     """Runs of positions whose float64 log-probabilities fit in TEMP_BYTES (Gemma's 262,144-token
-    vocabulary: 64 positions; SmolLM2's 49,152: a whole 128-token sequence)."""
+    vocabulary: 32 positions; SmolLM2's 49,152: 170, a whole 128-token sequence)."""
     step = max(1, TEMP_BYTES // (vocab * 8))
     return [(p, min(n_positions, p + step)) for p in range(0, n_positions, step)]
 

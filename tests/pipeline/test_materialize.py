@@ -286,6 +286,10 @@ def test_convention_sweep_is_stored_side_by_side_and_replaced_whole(run) -> None
     assert {("baseline", "default"), ("k", "6"), ("exclusion", "self"), ("alignment form", "map: cos(y, T(x))"),
             ("class", "mlp")} <= conventions
     assert sens.filter((sens["convention"] == "baseline"))["delta"].abs().max() == 0
+    # every setting resampled on the same documents: intervals, verdicts and the paired change's interval
+    k6 = sens.filter((sens["convention"] == "k") & (sens["finding"] == "1")).to_dicts()[0]
+    assert k6["ci_lo"] is not None and k6["ci_lo"] <= k6["ci_hi"] and k6["verdict"] is not None
+    assert k6["delta_ci_lo"] <= k6["delta_ci_hi"] and k6["separates"] == (k6["delta_ci_lo"] > 0 or k6["delta_ci_hi"] < 0)
     # the main tables are untouched by a sweep
     assert set(catalog.query(lens.root, "SELECT DISTINCT config_id FROM geometry")["config_id"]) == {lens.config().config_id}
     # the report now carries the sensitivity table

@@ -22,6 +22,7 @@ BAD = [
     (dict(device="tpu"), "device must be"),
     (dict(bootstrap=-1), "bootstrap and bootstrap_spectra must be >= 0"),
     (dict(kl_block=0), "kl_block and kl_budget_mb must be >= 1"),
+    (dict(subspace_ms=(1, 4, 64)), "subspace_ms must include 16"),
     (dict(index="annoy"), "unknown index"),
 ]
 
@@ -83,8 +84,8 @@ def test_the_code_locations_settings_come_from_updatelens_settings(monkeypatch: 
 
 def test_the_kl_block_is_sized_from_the_vocabulary() -> None:
     cfg = AnalysisConfig()
-    assert cfg.kl_block_size(49_152) == 16  # SmolLM2: 16 x 24 MiB
-    assert cfg.kl_block_size(262_144) == 4  # Gemma 3: 128 MiB a sequence, 512 MiB budget
+    assert cfg.kl_block_size(49_152) == 10  # SmolLM2: 24 MiB a sequence, 256 MiB budget
+    assert cfg.kl_block_size(262_144) == 2  # Gemma 3: 128 MiB a sequence
     assert cfg.replace(kl_budget_mb=1).kl_block_size(262_144) == 1
     assert cfg.replace(kl_budget_mb=64).config_id == cfg.config_id  # batching, not results
 

@@ -278,3 +278,37 @@ def test_a_stage_refuses_a_misplaced_or_damaged_input_instead_of_reading_it(tmp_
     shutil.copytree(partition_dir(tmp_path, "activations", "m", 3), partition_dir(tmp_path, "activations", "m", 4))
     with pytest.raises(StaleInputError, match="activations for m layer 4 does not verify .its manifest says it holds"):
         check_upstream(Store.open(tmp_path), "activations", "m", 4, AnalysisConfig())
+
+
+def test_queries_read_the_catalog_without_verifying_again_only_while_nothing_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a refresh, a query on an unchanged root reads the catalog file as verified then; a file
+    touched or damaged since, or a view altered in the catalog, makes it verify again, and a damaged
+    file is then left out."""
+    two_layers(tmp_path)
+    catalog.refresh(tmp_path)
+    verifying = []
+    original = catalog._create_views
+    monkeypatch.setattr(catalog, "_create_views", lambda *a: verifying.append(1) or original(*a))
+    query = "SELECT layer, count(*) AS n FROM activations GROUP BY layer ORDER BY layer"
+    assert catalog.query(tmp_path, query)["layer"].to_list() == [3, 4] and not verifying  # as verified
+    with pytest.raises(catalog.ReadOnlyError):  # still read-only
+        catalog.query(tmp_path, "COPY (SELECT 1) TO 'x.csv'")
+    file = partition_file(tmp_path, "activations", "m", 4)
+    os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + 1000))  # touched
+    assert catalog.query(tmp_path, query)["layer"].to_list() == [3, 4] and len(verifying) == 1
+    catalog.refresh(tmp_path)
+    verifying.clear()
+    assert catalog.query(tmp_path, query)["layer"].to_list() == [3, 4] and not verifying
+    with duckdb_file(tmp_path) as con:  # someone alters a view in the catalog file
+        con.execute("CREATE OR REPLACE VIEW activations AS SELECT 99 AS layer, 1 AS n")
+    assert catalog.query(tmp_path, query)["layer"].to_list() == [3, 4] and len(verifying) == 1
+    catalog.refresh(tmp_path)
+    file.write_bytes(file.read_bytes()[:-10])  # damaged: verified again and left out
+    assert catalog.query(tmp_path, query)["layer"].to_list() == [3] and len(verifying) == 3
+
+
+def duckdb_file(root: Path):  # noqa: ANN201
+    import duckdb
+
+    return duckdb.connect(str(root / catalog.CATALOG_FILE))
