@@ -48,3 +48,24 @@ def test_an_expectation_without_a_result_fails(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(Batch, "validate", dropped)
     verdict = validate(FRAME, [Expect("ExpectTableRowCountToEqual", {"value": 3}), *between("rel_err", 0.0)])
     assert verdict.failures == ["ExpectTableRowCountToEqual(value=3): GX returned no result for it"]
+
+
+def test_geometry_values_missing_or_out_of_range_are_named_by_row_and_column() -> None:
+    import numpy as np
+    import pyarrow as pa
+
+    from updatelens.assets.checks import check_geometry
+
+    n = 6
+    geometry = pa.table({"fn_class": ["lowrank"] * n, "seq": list(range(n)), "pos": [1] * n,
+                         "cos_full_tok": [0.5, np.nan, 0.2, 0.1, 0.3, 0.4],
+                         "angle_full_res": [10.0, 20.0, 200.0, 30.0, 40.0, 50.0],
+                         "proj_res_m16": [0.1] * n})
+    spectra = pa.table({"fn_class": ["lowrank"] * 2, "which": ["res"] * 2, "idx": [0, 1], "sigma": [2.0, 1.0],
+                        "cum_energy": [0.8, 1.0]})
+    verdict = check_geometry(geometry, spectra, n, ["lowrank"])
+    assert not verdict.passed and len(verdict.failures) == 1 and "out_of_range" in verdict.failures[0]
+    named = {(o["seq"], o["out_of_range"]) for o in verdict.offenders}
+    assert named == {(1, "cos_full_tok"), (2, "angle_full_res")}
+    fine = geometry.set_column(3, "cos_full_tok", pa.array([0.5] * n)).set_column(4, "angle_full_res", pa.array([9.0] * n))
+    assert check_geometry(fine, spectra, n, ["lowrank"]).passed
