@@ -198,9 +198,28 @@ def each_model(context: dg.AssetExecutionContext, store: Store) -> Iterator[tupl
             yield model, layers
 
 
+def _rounded(value: object) -> object:
+    """A figure as a person reads it: floats to 4 significant digits."""
+    return float(f"{value:.4g}") if isinstance(value, float) else value
+
+
+def observe_partitions(context: dg.AssetExecutionContext, written: Written) -> None:
+    """Each partition's own figures (its rows per table, its layer's summary, its file), as an
+    observation of that partition: a run over many partitions materializes them with one metadata,
+    the run's (Dagster has no per-partition metadata for a single-run backfill), so a partition's page
+    shows its own figures here."""
+    for key, figures in written.per_partition.items():
+        metadata = {name: (dg.MetadataValue.path(str(value)) if name == "parquet_path" else _rounded(value))
+                    for name, value in figures.items() if value is not None}
+        context.log_event(dg.AssetObservation(asset_key=context.asset_key, partition=key, metadata=metadata))
+
+
 def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None,
-           check_results: list[dg.AssetCheckResult] | None = None) -> dg.MaterializeResult:
+           check_results: list[dg.AssetCheckResult] | None = None,
+           context: dg.AssetExecutionContext | None = None) -> dg.MaterializeResult:
     store.refresh()
+    if context is not None:
+        observe_partitions(context, written)
     # one partition: its file; several: the table folder they live under
     where = written.paths[0] if len(written.per_partition) == 1 else written.paths[0].rsplit("/", 3)[0]
     metadata: dict[str, object] = {

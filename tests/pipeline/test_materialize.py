@@ -158,6 +158,11 @@ def test_materializations_name_their_views_and_carry_column_schemas_and_a_partit
     assert [r.data["partition"] for r in partitions.records] == [f"tiny-mamba:{layer:02d}" for layer in range(N_LAYERS)]
     tokens = instance.get_latest_materialization_event(dg.AssetKey("activations")).asset_materialization.metadata
     assert tokens["duckdb_views"].value == "activations, tokens"
+    # each partition's own figures, observed on that partition
+    seen = instance.fetch_observations(dg.AssetKey("residuals"), limit=100).records
+    mine = [r.asset_observation for r in seen if r.asset_observation.partition == "tiny-mamba:01"]
+    assert mine and mine[-1].metadata["rows_residuals"].value == len(CLASSES) * N_SEQ * (SEQ_LEN - 1)
+    assert isinstance(mine[-1].metadata["rel_err_median_lowrank"].value, float)
 
 
 def test_every_row_records_its_configuration(run) -> None:
