@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from updatelens.orchestration.output import print_frame
-from updatelens.storage.location import is_url
+from updatelens.orchestration.output import print_frame, print_rows
 
 if TYPE_CHECKING:
     import dagster as dg
@@ -347,11 +346,12 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
     root = args.data_root or default_data_root()
     try:
-        frame = catalog.query(root, args.query, write=args.write)
+        columns, rows = catalog.fetch(root, args.query, write=args.write)
     except (duckdb.Error, catalog.ReadOnlyError) as exc:
         print(f"updatelens sql: {exc}", file=sys.stderr)
         return 2
-    print_frame(frame)
+    if columns:
+        print_rows(columns, rows)
     return 0
 
 
@@ -397,6 +397,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def location_name(root: str | Path) -> str:
     """The UI's code location name for a data root: `updatelens` and the root, as letters, digits,
     dashes and underscores (e.g. updatelens-work-main-data)."""
+    from updatelens.storage.location import is_url
+
     text = str(root) if is_url(str(root)) else str(Path(root).resolve())
     return "updatelens-" + (re.sub(r"[^A-Za-z0-9_]+", "-", text).strip("-") or "root")
 
@@ -439,7 +441,7 @@ def cmd_notebook(args: argparse.Namespace) -> int:
     import shutil
 
     from updatelens.reports import notebook
-    from updatelens.storage.location import default_data_root
+    from updatelens.storage.location import default_data_root, is_url
 
     root = str(args.data_root or default_data_root())
     env = dict(os.environ, UPDATELENS_DATA=root)

@@ -24,9 +24,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
-import polars as pl
+
+if TYPE_CHECKING:
+    import polars as pl
 
 from updatelens import CODE_VERSION
 from updatelens.bootstrap import GEOMETRY_STATISTICS
@@ -629,6 +632,7 @@ def refresh(root: str | Path, db_path: Path | None = None) -> list[str]:
         fingerprint = root_fingerprint(root)  # before verifying: a file changed meanwhile does not match later
         with duckdb.connect(str(db_path)) as con:
             views, readable = _create_views(con, root)
+        with duckdb.connect(str(db_path), read_only=True) as con:  # the definitions as a reader reads them back
             definitions = _view_digest(con)
         record = {"code_version": CODE_VERSION, "fingerprint": fingerprint, "views": definitions, "readable": readable}
         tmp = verified.with_name(verified.name + ".tmp")
@@ -748,6 +752,17 @@ def refuse_writes(con: duckdb.DuckDBPyConnection, sql: str) -> None:
             raise ReadOnlyError(f"read-only: {kind} statements are not allowed (updatelens sql --write allows them)")
 
 
+def fetch(root: str | Path, sql: str, params: list[object] | None = None,
+          write: bool = False) -> tuple[list[str], list[tuple[object, ...]]]:
+    """`query` as column names and rows, without polars (what `updatelens sql` prints: its import is
+    most of a small query's time)."""
+    with connect(root, read_only=not write) as con:
+        if not write:
+            refuse_writes(con, sql)
+        rel = con.sql(sql, params=params) if params else con.sql(sql)
+        return (list(rel.columns), rel.fetchall()) if rel is not None else ([], [])
+
+
 def query(root: str | Path, sql: str, params: list[object] | None = None, write: bool = False) -> pl.DataFrame:
     """Run SQL over the stored tables, with `$1`.. bound to `params`; returns a polars frame (empty
     for statements without rows). Unless `write`, only reading statements run: a COPY ... TO, CREATE,
@@ -757,4 +772,8 @@ def query(root: str | Path, sql: str, params: list[object] | None = None, write:
         if not write:
             refuse_writes(con, sql)
         rel = con.sql(sql, params=params) if params else con.sql(sql)
-        return rel.pl() if rel is not None else pl.DataFrame()
+        if rel is not None:
+            return rel.pl()
+    import polars as pl
+
+    return pl.DataFrame()
