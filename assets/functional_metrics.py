@@ -25,7 +25,7 @@ from updatelens.analysis import (
     single_positions,
 )
 from updatelens.capture import block_output_is_tuple
-from updatelens.perturbation import original_output
+from updatelens.perturbation import original_output, vocab_size
 from updatelens.progress import progress
 from updatelens.tables import Provenance
 
@@ -56,7 +56,7 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
         # is the reference every layer's identity patch is checked against
         reference = original_output(lm, input_ids[: lens.checks.identity_sequences], cfg.patch_batch)
         with progress(f"{model}: patched passes", n_seq * len(layers), "seq x layer") as bar:
-            block = cfg.kl_block_size(int(lm.model.config.get_text_config().vocab_size))
+            block = cfg.kl_block_size(vocab_size(lm))
             for lo in range(0, n_seq, block):
                 hi = min(n_seq, lo + block)
                 blocks = {layer: layer_data(store.partition("activations", model, layer).seqs(lo, hi))
