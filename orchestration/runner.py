@@ -29,6 +29,7 @@ from updatelens.assets.resources import UpdateLensResource
 from updatelens import CODE_VERSION
 from updatelens.errors import ConfigError
 from updatelens.preflight import Preflight, preflight
+from updatelens.storage.layout import DAGSTER_DIR
 from updatelens.storage.location import default_data_root, is_url
 from updatelens.registry import get_corpus, get_model
 
@@ -42,9 +43,6 @@ def dagster_yaml(model_pool_limit: int | None = None) -> str:
 
 
 DAGSTER_YAML = dagster_yaml(1)
-
-
-DAGSTER_DIR = "_dagster"  # a local data root's own Dagster instance: its runs, materializations, checks
 
 
 def root_dagster_home(data_root: str | Path) -> Path:

@@ -36,7 +36,7 @@ from updatelens.bootstrap import GEOMETRY_STATISTICS
 from updatelens.findings import FINDINGS, STATISTICS, Finding
 from updatelens.storage.integrity import QUARANTINE, Damaged, scan
 from updatelens.stages import SWEEP_TABLES, TABLES
-from updatelens.storage.layout import CONVERGENCE, SWEEPS, has_sweep_runs, partition_file, sweep_runs_glob
+from updatelens.storage.layout import CONVERGENCE, DAGSTER_DIR, LOCKS, STAGING, SWEEPS, has_sweep_runs, partition_file, sweep_runs_glob
 from updatelens.storage.location import as_root, is_local, url
 
 CATALOG_FILE = "updatelens.duckdb"
@@ -644,7 +644,7 @@ def refresh(root: str | Path, db_path: Path | None = None) -> list[str]:
 # ---- queries without verifying again what has not changed ----------------------------------------
 VERIFIED_SUFFIX = ".verified.json"
 # under a local root, what the fingerprint leaves out: what is not a stored result
-NOT_RESULTS = frozenset({QUARANTINE, "_staging", "_locks", "_dagster", "_notebook", "reports", "bench"})
+NOT_RESULTS = frozenset({QUARANTINE, STAGING, LOCKS, DAGSTER_DIR, "_notebook", "reports", "bench"})
 
 
 def _verified_path(db_path: Path) -> Path:

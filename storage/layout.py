@@ -46,6 +46,7 @@ STAGING = "_staging"
 # where it came from, so that an abandoned one is put back when nothing replaced it
 TARGET_SUFFIX = ".target"
 LOCKS = "_locks"
+DAGSTER_DIR = "_dagster"  # a local data root's own Dagster instance (orchestration.runner.root_dagster_home)
 PART_FILE = "part-0.parquet"
 ROW_GROUP_ROWS = 8192
 # Fault injection for the crash tests: SIGKILL this process in the middle of writing a partition of
