@@ -17,7 +17,7 @@ from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.assets.partitions import MODEL_LAYER, group_keys
 from updatelens.storage.layout import read_file, read_schema
 from updatelens.storage.store import Partition, Store
-from updatelens import CODE_VERSION
+from updatelens import CODE_VERSION, schemas
 from updatelens.analysis import LayerData, fits_from_table, layer_data
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
@@ -154,6 +154,8 @@ def stage_asset(fn):  # noqa: ANN001, ANN201 - a decorator
         op_tags=step_tags(needs_model=stage.needs_model),
         check_specs=checks.specs(stage.name),
         description=stage.description,
+        metadata={"dagster/column_schema": declared_schema(stage.tables[0]),
+                  "dagster/table_name": stage.tables[0]},
     )(logged)
 
 
@@ -185,9 +187,19 @@ def partition_table(per_partition: dict[str, dict[str, object]]) -> dg.TableMeta
                                      for key, figures in per_partition.items()], strict=False, infer_schema_length=None))
 
 
-def column_schema(path: str) -> dg.TableSchema:
-    """The columns of a stored table, with their Arrow types, as the UI's column schema."""
-    return dg.TableSchema(columns=[dg.TableColumn(f.name, str(f.type)) for f in read_schema(path)])
+def column_schema(path: str, table: str, cfg: AnalysisConfig) -> dg.TableSchema:
+    """The columns of a stored table, with their Arrow types and their declared descriptions
+    (updatelens.schemas), as the UI's column schema."""
+    described = schemas.descriptions(table, cfg)
+    return dg.TableSchema(columns=[dg.TableColumn(f.name, str(f.type), description=described.get(f.name))
+                                   for f in read_schema(path)])
+
+
+def declared_schema(table: str) -> dg.TableSchema:
+    """A table's declared columns (default configuration) as a column schema: shown on the asset
+    before anything is materialized."""
+    return dg.TableSchema(columns=[dg.TableColumn(c.name, c.type if isinstance(c.type, str) else str(c.type),
+                                                  description=c.description) for c in schemas.columns(table)])
 
 
 def each_model(context: dg.AssetExecutionContext, store: Store) -> Iterator[tuple[str, list[int]]]:
@@ -232,7 +244,7 @@ def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str,
         # the DuckDB views of the stage's tables (updatelens sql, the catalog file) and the main one's columns
         "dagster/table_name": next(iter(written.rows)),
         "duckdb_views": ", ".join(written.rows),
-        "dagster/column_schema": column_schema(written.paths[0]),
+        "dagster/column_schema": column_schema(written.paths[0], next(iter(written.rows)), cfg),
     }
     for name, n in written.rows.items():
         metadata[f"rows_{name}"] = n

@@ -3,7 +3,7 @@
 Run the default job with `--summary-json` and the floor bench of the same model in the same session
 (nothing else running), then join them:
 
-    updatelens bench --only floor --model gemma3-270m --data-root /tmp/bench
+    python -m bench --only floor --model gemma3-270m --data-root /tmp/bench
     updatelens run --model gemma3-270m --summary-json /tmp/gemma.json
     python bench/default_job.py /tmp/gemma.json /tmp/bench/bench/bench_floor-gemma3-270m.json \
         bench/records/default_job-gemma3-270m.json

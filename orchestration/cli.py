@@ -1,13 +1,12 @@
-"""`updatelens run | sql | verify | ui | notebook | report | sweep | converge | bench | worker`: the
+"""`updatelens run | sql | verify | ui | notebook | report | sweep | converge | worker`: the
 command line over the data product. This module parses the arguments and dispatches; the commands
-live in `commands.py` (and the bench's in `bench_driver.py`)."""
+live in `commands.py`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from updatelens.orchestration.bench_driver import cmd_bench
 from updatelens.orchestration.commands import (
     cmd_converge,
     cmd_notebook,
@@ -47,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
                           "run per layer on the cluster's workers")
     run.add_argument("--max-runs", dest="max_runs", type=int, default=4,
                      help="per-layer runs in flight at once (celery/k8s profiles)")
+    run.add_argument("--no-report", dest="no_report", action="store_true",
+                     help="store the results only; build the model's report and the comparison later "
+                          "(`updatelens report`)")
     run.add_argument("--summary-json", dest="summary_json", metavar="PATH",
                      help="also write the pipeline's wall time and peak memory to PATH as JSON")
     run.set_defaults(func=cmd_run)
@@ -126,30 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--registry")
     conv.set_defaults(func=cmd_converge, classes=None, n_seq=None, seq_len=None, k=None, rank=None)
 
-    bench_cmd = sub.add_parser("bench", help="benchmark every hot stage against same-run references")
-    bench_cmd.add_argument("--data-root")
-    bench_cmd.add_argument("--model", default="smollm2-135m", help="the model whose forward passes --only floor counts")
-    bench_cmd.add_argument("--device", default="cpu",
-                           help="cpu or cuda[:i]: where the model, fits and (with faiss-gpu) exact search run; "
-                                "recorded with every figure")
-    bench_cmd.add_argument("--ann-tokens", dest="ann_tokens", type=int, default=131072,
-                           help="sample size of the approximate-index bench (--only knn)")
-    bench_cmd.add_argument("--ann-layers", dest="ann_layers", default="8,15",
-                           help="TUNE,JUDGE: the layer the search settings are tuned on and the one that "
-                                "judges them (--only knn)")
-    bench_cmd.add_argument("--scaling-n", default="2048,8192,16384",
-                           help="token counts of the scaling sweep (32768 adds about a minute)")
-    bench_cmd.add_argument("--scaling-d-at", type=int, default=2048, help="N at which d is varied (288, 576, 1152)")
-    bench_cmd.add_argument("--only", choices=["scale", "knn", "study", "floor"],
-                           help="scale: the pipeline's peak memory and time against the sample size; knn: "
-                                "approximate k-NN against exact search and faiss's indexes at research scale; "
-                                "study: the study preset (hours on a CPU), its time, memory and step times; floor: the "
-                                "least time the forward passes of the study and of the default job take on this device (a minute)")
-    bench_cmd.add_argument("--scale-tokens", dest="scale_tokens", default="2048,8192,32768,131072",
-                           help="sample sizes of the scale bench (one layer, the study preset's settings)")
-    bench_cmd.add_argument("--scale-layer", dest="scale_layer", type=int, default=15,
-                           help="the layer the scale bench runs (default 15, the middle of SmolLM2)")
-    bench_cmd.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     from updatelens.errors import UpdateLensError

@@ -166,6 +166,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.summary_json:  # for scripts (the bench): the same figures, machine-readable
         Path(args.summary_json).write_text(json.dumps({"pipeline_s": wall, "peak_rss_gib": peak, "layers": todo,
                                                        "model": args.model, "config_id": cfg.config_id}))
+    if args.no_report:
+        print("reports not built (--no-report): `updatelens report` builds them from the stored results")
+        return 0
     with dg.DagsterInstance.get() as instance:
         return _reports([args.model], lens, instance)
 

@@ -31,7 +31,7 @@ import duckdb
 if TYPE_CHECKING:
     import polars as pl
 
-from updatelens import CODE_VERSION
+from updatelens import CODE_VERSION, schemas
 from updatelens.bootstrap import GEOMETRY_STATISTICS
 from updatelens.findings import FINDINGS, STATISTICS, Finding
 from updatelens.storage.integrity import QUARANTINE, Damaged, scan
@@ -141,8 +141,11 @@ BAND_STATISTICS: tuple[str, ...] = (*GEOMETRY_STATISTICS, "spearman_relerr_kl", 
                                     "spearman_relerr_kl_null", "spearman_normres_kl_null",
                                     "rank_full", "rank_tok", "rank_res", "rank_full_null", "rank_res_null")
 
+# A table, not a view: every finding on every resample is computed once, when the catalog is refreshed
+# from the verified files (1 s for two models' default jobs), instead of in every query that reads
+# the findings (the catalog's record of what was verified holds a digest of its rows: `_view_digest`).
 FINDING_REPLICATES_SQL = """
-CREATE OR REPLACE VIEW {name} AS
+CREATE OR REPLACE TABLE {name} AS
 WITH stats AS ({stats}),
 b AS (
     SELECT stats.*,
@@ -439,6 +442,17 @@ def sensitivity_sql() -> str:
 
 DERIVED_VIEWS = ("layer_summary", "layer_replicates", "layer_bands", "finding_replicates", "findings_by_class",
                  "findings")
+# the derived relations computed into tables (FINDING_REPLICATES_SQL), per family prefix
+DERIVED_TABLES = ("finding_replicates",)
+FAMILY_PREFIXES = ("", "sweep_", "conv_")
+
+
+def _drop(con: duckdb.DuckDBPyConnection, name: str) -> None:
+    """Drop the view or table `name` if there is one (a catalog of an older version may hold as a
+    view what is now a table)."""
+    if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ?", [name]).fetchone()[0]:
+        con.execute(f"DROP TABLE {name}")
+    con.execute(f"DROP VIEW IF EXISTS {name}")
 
 
 def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: str) -> list[str]:
@@ -453,6 +467,7 @@ def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: st
             views.append(f"{prefix}layer_summary")
         if {"geometry", "functional_summary", "spectra"} <= present:
             replicates = {"geometry_bootstrap", "functional_bootstrap"} <= present
+            _drop(con, f"{prefix}finding_replicates")  # a table now: an older catalog's view goes first
             for statement in findings_sql(prefix, replicates):
                 con.execute(statement)
             views += [f"{prefix}layer_replicates", f"{prefix}layer_bands"] * replicates + [f"{prefix}finding_replicates",
@@ -461,8 +476,29 @@ def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: st
         views = []
     for name in DERIVED_VIEWS:
         if f"{prefix}{name}" not in views:
-            con.execute(f"DROP VIEW IF EXISTS {prefix}{name}")
+            _drop(con, f"{prefix}{name}")
     return views
+
+
+def column_comments(con: duckdb.DuckDBPyConnection, view: str, table: str) -> list[str]:
+    """The statements that give each column of a table's view its declared description
+    (updatelens.schemas) as a DuckDB comment: `SELECT column_name, comment FROM duckdb_columns() WHERE
+    table_name = 'geometry'`, or a SQL client's column list, says what a column means. The joined
+    token text is described as in `tokens`."""
+    names = [row[0] for row in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = ?",
+                                           [view]).fetchall()]
+    return [f"COMMENT ON COLUMN {view}.{name} IS {_sql_string(text)}" for name in names
+            if (text := schemas.describe_column(table, name) or schemas.describe_column("tokens", name))]
+
+
+def _comment(con: duckdb.DuckDBPyConnection, views: dict[str, str]) -> None:
+    """Every column comment of `views` (view -> its table) in one transaction: one by one, each
+    commits to the catalog file on its own (3 s for the default job's catalog instead of 0.2 s)."""
+    statements = [st for view, table in views.items() for st in column_comments(con, view, table)]
+    con.execute("BEGIN TRANSACTION")
+    for statement in statements:
+        con.execute(statement)
+    con.execute("COMMIT")
 
 
 def _family_views(con: duckdb.DuckDBPyConnection, good: dict[str, list[str]], tables: tuple[str, ...],
@@ -576,6 +612,8 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[lis
     else:
         con.execute("DROP VIEW IF EXISTS sensitivity")
     con.execute(damaged_view_sql(verified.damaged + verified.missing_text))
+    families = (("", present, TABLES), ("sweep_", swept, SWEEP_TABLES), ("conv_", converged, TABLES))
+    _comment(con, {f"{prefix}{t}": t for prefix, made, tables in families for t in tables if t in made})
     read = [f for family in (verified.main, verified.sweeps, conv_files) for files in family.values() for f in files]
     return [*views, "damaged_partitions"], read + runs
 
@@ -588,15 +626,21 @@ def catalog_error(db_path: Path) -> str | None:
         return None
     try:
         with duckdb.connect(str(db_path), read_only=True) as con:
-            tables = con.execute("SELECT count(*) FROM duckdb_tables()").fetchone()
+            tables = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name NOT IN "
+                                 f"({', '.join(_sql_string(n) for n in _derived_table_names())})").fetchone()
     except duckdb.Error as exc:
         message = str(exc).splitlines()[0]
         if "lock" in message.lower():  # open in another process (a `duckdb` shell): busy, not damaged
             return None
         return f"not a readable DuckDB database ({message})"
     if tables and tables[0]:
-        return f"holds {tables[0]} tables: not an UpdateLens catalog, which holds views only"
+        return (f"holds {tables[0]} tables of its own: not an UpdateLens catalog, which holds views and the "
+                f"tables it derives ({', '.join(_derived_table_names())})")
     return None
+
+
+def _derived_table_names() -> list[str]:
+    return [f"{prefix}{name}" for prefix in FAMILY_PREFIXES for name in DERIVED_TABLES]
 
 
 def _set_aside(root: str | Path, db_path: Path, reason: str) -> Path:
@@ -611,12 +655,13 @@ def _set_aside(root: str | Path, db_path: Path, reason: str) -> Path:
     return target
 
 
-def refresh(root: str | Path, db_path: Path | None = None) -> list[str]:
+def refresh(root: str | Path, db_path: Path | None = None, wait: bool = True) -> list[str]:
     """Rebuild the catalog file's views; returns the view names (object store: checked in memory).
     A damaged or foreign catalog file is set aside first and built anew (it holds only views).
     Beside it, the record of what was verified (`VERIFIED_SUFFIX`): the stored files' fingerprint
     taken before verifying, the files the views read and the views' definitions, so that a query
-    finding the same files unchanged reads the catalog without verifying them again."""
+    finding the same files unchanged reads the catalog without verifying them again. `wait=False`:
+    BlockingIOError at once when another process is refreshing it."""
     db_path = db_path or catalog_path(root)
     if db_path is None:
         with duckdb.connect() as con:
@@ -624,7 +669,7 @@ def refresh(root: str | Path, db_path: Path | None = None) -> list[str]:
     db_path.parent.mkdir(parents=True, exist_ok=True)
     # One writer at a time: DuckDB allows a single read-write process per database file.
     with open(db_path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         verified = _verified_path(db_path)
         verified.unlink(missing_ok=True)  # the record never outlives the views it describes
         if reason := catalog_error(db_path):
@@ -669,10 +714,12 @@ def root_fingerprint(root: str | Path) -> str:
 
 
 def _view_digest(con: duckdb.DuckDBPyConnection) -> str:
-    """SHA-256 of every view's definition and of the number of tables (0 in a catalog)."""
+    """SHA-256 of every view's definition and of every table's name and rows (the derived tables: a
+    row changed by a plain DuckDB client after the refresh changes it)."""
     views = con.execute("SELECT view_name, sql FROM duckdb_views() WHERE NOT internal ORDER BY view_name").fetchall()
-    tables = con.execute("SELECT count(*) FROM duckdb_tables()").fetchone()
-    return hashlib.sha256(json.dumps([views, tables[0] if tables else 0]).encode()).hexdigest()
+    names = [row[0] for row in con.execute("SELECT table_name FROM duckdb_tables() ORDER BY table_name").fetchall()]
+    rows = [[name, *con.execute(f"SELECT count(*), bit_xor(hash(t)) FROM {name} t").fetchone()] for name in names]
+    return hashlib.sha256(json.dumps([views, rows], default=str).encode()).hexdigest()
 
 
 def _verified_catalog(root: str | Path) -> tuple[duckdb.DuckDBPyConnection, list[str]] | None:
@@ -701,15 +748,31 @@ def _verified_catalog(root: str | Path) -> tuple[duckdb.DuckDBPyConnection, list
     return None
 
 
+def _refreshed(root: str | Path) -> bool:
+    """For a reader that found the catalog out of date (files changed, or written by another code
+    version): rebuild it now, so that the next query reads it without verifying again. False where
+    that cannot be done at once (an object store, another process refreshing it or holding it open
+    for writing, a root this user cannot write): the reader then verifies in memory."""
+    if catalog_path(root) is None:
+        return False
+    try:
+        refresh(root, wait=False)
+    except (OSError, duckdb.Error):  # BlockingIOError is an OSError
+        return False
+    return True
+
+
 def connect(root: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
     """A connection with the catalog's views. `read_only` on a root unchanged since the last refresh
-    (`_verified_catalog`): the catalog file itself, read-only, without verifying again; otherwise an
-    in-memory connection whose views are made over the files verified now (never blocked by a
+    (`_verified_catalog`, the catalog refreshed first when it is not: `_refreshed`): the catalog file
+    itself, read-only, without verifying again; otherwise an in-memory connection whose views are made over the files verified now (never blocked by a
     writer's file lock).
     `read_only` (a local root): the engine may then open only the verified files the views read,
     and its settings are locked, so no statement can write a file, attach a database, install or
     load an extension, or lift these limits."""
     cached = _verified_catalog(root) if read_only else None
+    if cached is None and read_only and _refreshed(root):
+        cached = _verified_catalog(root)
     if cached is not None:
         con, readable = cached
     else:

@@ -25,7 +25,6 @@ import fcntl
 import hashlib
 import os
 import shutil
-import signal
 import tempfile
 import time
 import uuid
@@ -49,11 +48,6 @@ LOCKS = "_locks"
 DAGSTER_DIR = "_dagster"  # a local data root's own Dagster instance (orchestration.runner.root_dagster_home)
 PART_FILE = "part-0.parquet"
 ROW_GROUP_ROWS = 8192
-# Fault injection for the crash tests: SIGKILL this process in the middle of writing a partition of
-# this table (after its first row group reached the staging file, before the rename).
-KILL_MID_WRITE_ENV = "UPDATELENS_FAULT_KILL_MID_WRITE"
-KILL_BEFORE_MANIFEST_ENV = "UPDATELENS_FAULT_KILL_BEFORE_MANIFEST"  # data file complete, manifest not written
-KILL_MID_REPLACE_ENV = "UPDATELENS_FAULT_KILL_MID_REPLACE"  # new partition in place, the old one not yet removed
 # Files committed last when a folder is published to an object store (readers open these first).
 ENTRY_FILES = ("index.html", PART_FILE, "run.parquet", MANIFEST)  # committed last, the manifest after its file
 # Object-store staging keys older than this are from a crashed writer (no pid to ask there).
@@ -82,37 +76,31 @@ def _staging_dir(root: UPath) -> UPath:
     return root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}"
 
 
-def _fault(env: str, table_name: str) -> None:
-    """Fault injection for the reliability tests: SIGKILL this process here when $env names the table."""
-    if os.environ.get(env) == table_name:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class ParquetSink:
     """Row groups appended to one Parquet file as they come (the file is opened on the first write,
-    with that table's schema). `close` fsyncs it. Fault injection: with $UPDATELENS_FAULT_KILL_MID_WRITE
-    naming this table, the process is SIGKILLed once the first row group reached the file."""
+    with that table's schema; `validate`, when given, is called on every table before it is written:
+    the store checks each against its declared schema). `close` fsyncs it."""
 
-    def __init__(self, path: Path, table_name: str, partition: tuple[str, int] | None = None) -> None:
+    def __init__(self, path: Path, table_name: str, partition: tuple[str, int] | None = None,
+                 validate: Callable[[pa.Table], None] | None = None) -> None:
         self.path = path
         self.table_name = table_name
         self.rows = 0
         self._writer: pq.ParquetWriter | None = None
-        self._kill = os.environ.get(KILL_MID_WRITE_ENV) == table_name
+        self._validate = validate
         # the manifest names the partition it holds: verification compares it with the folder
         self._provenance: dict[str, object] = {"model": partition[0], "layer": partition[1]} if partition else {}
 
     def write(self, table: pa.Table, row_group_rows: int = ROW_GROUP_ROWS) -> None:
+        if self._validate is not None:
+            self._validate(table)
         if self._writer is None:
             self._writer = pq.ParquetWriter(self.path, table.schema, compression="zstd")
             self._provenance |= {c: str(table[c][0].as_py()) for c in ("config_id", "code_version")
                                  if c in table.column_names and len(table)}
-        step = max(1, len(table) // 2) if self._kill else row_group_rows
-        for batch in table.to_batches(max_chunksize=step):
+        for batch in table.to_batches(max_chunksize=row_group_rows):
             self._writer.write_batch(batch)
             self.rows += batch.num_rows
-            if self._kill:
-                os.kill(os.getpid(), signal.SIGKILL)
 
     def close(self) -> None:
         if self._writer is None:
@@ -120,13 +108,13 @@ class ParquetSink:
         self._writer.close()
         with open(self.path, "rb+") as f:
             os.fsync(f.fileno())
-        _fault(KILL_BEFORE_MANIFEST_ENV, self.table_name)
         # the manifest sits beside the file in the same staging folder: it is committed with the data
         write_manifest(self.path, self.table_name, self.rows, self._provenance)
 
 
-def _write_parquet(table: pa.Table, path: Path, table_name: str, partition: tuple[str, int] | None = None) -> None:
-    sink = ParquetSink(path, table_name, partition)
+def _write_parquet(table: pa.Table, path: Path, table_name: str, partition: tuple[str, int] | None = None,
+                   validate: Callable[[pa.Table], None] | None = None) -> None:
+    sink = ParquetSink(path, table_name, partition, validate)
     sink.write(table)
     sink.close()
 
@@ -159,10 +147,8 @@ def staged_dir(root: str | Path, final: str | Path) -> Iterator[Path]:
             old = root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
             (old.parent / f"{old.name}{TARGET_SUFFIX}").write_text(str(final))
             os.rename(final, old)
-            _fault(KILL_MID_REPLACE_ENV, final.parent.parent.name)
             os.rename(staging, final)
         _fsync_dir(final.parent)
-        _fault(KILL_MID_REPLACE_ENV, final.parent.parent.name)
         _keep_damaged(root, old, final, damaged)
         shutil.rmtree(old, ignore_errors=True)
         (old.parent / f"{old.name}{TARGET_SUFFIX}").unlink(missing_ok=True)
@@ -207,12 +193,13 @@ def publish_dir(root: str | Path, final: str | Path, fill: Callable[[Path], None
 
 
 @contextmanager
-def partition_writer(root: str | Path, table_name: str, model: str, layer: int) -> Iterator[ParquetSink]:
+def partition_writer(root: str | Path, table_name: str, model: str, layer: int,
+                     validate: Callable[[pa.Table], None] | None = None) -> Iterator[ParquetSink]:
     """Write one partition incrementally (`sink.write(rows)` per batch); it is committed whole when
     the block exits normally, and never appears if it fails. Memory: one batch at a time."""
     final = partition_dir(root, table_name, model, layer)
     with staged_dir(root, final) as staging:
-        sink = ParquetSink(staging / PART_FILE, table_name, (model, layer))
+        sink = ParquetSink(staging / PART_FILE, table_name, (model, layer), validate)
         yield sink
         sink.close()
 
@@ -291,10 +278,12 @@ def read_seq_range(path: str | Path, lo: int, hi: int, columns: list[str] | None
     return pq.read_table(path.path, filesystem=path.fs, columns=columns, filters=filters)
 
 
-def write_partition(root: str | Path, table_name: str, model: str, layer: int, table: pa.Table) -> UPath:
-    """Replace one partition whole; returns the final file path."""
+def write_partition(root: str | Path, table_name: str, model: str, layer: int, table: pa.Table,
+                    validate: Callable[[pa.Table], None] | None = None) -> UPath:
+    """Replace one partition whole (`validate` called on the table first); returns the final file path."""
     final = partition_dir(root, table_name, model, layer)
-    publish_dir(root, final, lambda staging: _write_parquet(table, staging / PART_FILE, table_name, (model, layer)))
+    publish_dir(root, final, lambda staging: _write_parquet(table, staging / PART_FILE, table_name, (model, layer),
+                                                            validate))
     return final / PART_FILE
 
 

@@ -18,6 +18,7 @@ import polars as pl
 import pyarrow as pa
 from upath import UPath
 
+from updatelens import schemas
 from updatelens.stages import TABLES
 from updatelens.storage import catalog, layout
 from updatelens.storage.integrity import Damaged, incomplete_layers
@@ -47,12 +48,17 @@ class Partition:
     @contextmanager
     def writer(self) -> Iterator[layout.ParquetSink]:
         """Append row groups with `sink.write(rows)`; committed whole on a normal exit, never seen otherwise."""
-        with layout.partition_writer(self.store.root, self.table, self.model, self.layer) as sink:
+        with layout.partition_writer(self.store.root, self.table, self.model, self.layer, self.validate) as sink:
             yield sink
 
     def write(self, table: pa.Table) -> UPath:
         """Replace the partition whole with `table`; returns its file."""
-        return layout.write_partition(self.store.root, self.table, self.model, self.layer, table)
+        return layout.write_partition(self.store.root, self.table, self.model, self.layer, table, self.validate)
+
+    def validate(self, table: pa.Table) -> None:
+        """SchemaError unless `table` has this table's declared columns and types (updatelens.schemas):
+        checked before a byte of it is written."""
+        schemas.check(self.table, table)
 
     def require(self) -> UPath:
         """The file; FileNotFoundError naming the partition when it is not materialized."""

@@ -88,7 +88,7 @@ def test_the_solvers_recover_a_planted_map_on_real_states(smollm2) -> None:
 
 def test_smollm2_forward_work_counts_its_weight_matrices(smollm2) -> None:
     """SmolLM2-135M: per block q, o 576x576, k, v 576x192, gate, up, down 576x1536; head 49152x576."""
-    from updatelens import bench
+    from bench import measures as bench
     from updatelens.perturbation import output_layer
 
     per_block = 2 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)

@@ -59,7 +59,7 @@ class AnalysisConfig:
     metric: str = "cosine_centered"
     exclusion: str = "document"  # the anchor's own document is never its neighbour
     # "auto": exact search up to ann_threshold kept tokens per layer, the clustered approximate index
-    # above (exact search costs N^2 d; `updatelens bench --only knn` measures both against N)
+    # above (exact search costs N^2 d; `python -m bench --only knn` measures both against N)
     index: str = "auto"
     ann_threshold: int = 32768
     # fits
@@ -176,6 +176,9 @@ class AnalysisConfig:
             bad(f"bootstrap and bootstrap_spectra must be >= 0, got {self.bootstrap}, {self.bootstrap_spectra}")
         if not self.subspace_ms or min(self.subspace_ms) < 1:
             bad(f"subspace_ms must be positive integers, got {self.subspace_ms}")
+        if 90 in self.subspace_ms:  # proj_*_m90 names the 90 %-energy subspace (updatelens.schemas)
+            bad(f"subspace_ms may not include 90: the columns proj_*_m90 hold the projections on the "
+                f"subspace with 90 % of the tokenwise energy, got {self.subspace_ms}")
         if 16 not in self.subspace_ms:  # the views read proj_*_m16 (finding "2 projection", layer_summary)
             bad(f"subspace_ms must include 16 (finding 2's projection and the per-layer summary read the "
                 f"top-16 projections), got {self.subspace_ms}")

@@ -69,7 +69,7 @@ def build_index(v: np.ndarray, faiss_metric: int, kind: str, seed: int = 0, gpu:
 
 
 # search-time setting of each approximate index (nprobe; efSearch for hnsw): the smallest reaching
-# recall@64 >= 0.95 under sequence exclusion on SmolLM2's layer 8 (`updatelens bench --only knn`, which
+# recall@64 >= 0.95 under sequence exclusion on SmolLM2's layer 8 (`python -m bench --only knn`, which
 # judges them on layer 15); the clustered index at 32,768 and 130,048 tokens, the larger of the two
 DEFAULT_SEARCH_PARAM = {"clustered": 4, "ivf": 16, "ivf_batch": 16, "hnsw": 192}
 
@@ -107,7 +107,7 @@ def clustered_search(v: np.ndarray, faiss_metric: int, search_k: int, seed: int 
     product and top-k on `device` (rows sorted by cluster, so candidates are contiguous runs: gathering
     them row by row took 7 of 42 s). Faiss's CPU IVF scans the lists query by query (memory-bound);
     batching a cluster's queries keeps the search BLAS-bound. How it compares with faiss's IVF (per query
-    and big-batch) and HNSW at equal recall: `updatelens bench --only knn` (bench record knn.json).
+    and big-batch) and HNSW at equal recall: `python -m bench --only knn` (bench record knn.json).
     """
     n, d = v.shape
     nlist = max(1, min(n, nlist or round(2.3 * math.sqrt(n))))

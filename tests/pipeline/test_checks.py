@@ -104,7 +104,10 @@ def test_wrong_row_count_in_activations_blocks_the_fits(zoo: Path, tmp_path: Pat
 
 
 def test_wrong_vector_length_blocks_the_fits(zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    corrupt(monkeypatch, assets.activations, "activation_rows", lambda t: with_vectors(t, "x", lambda v: v[:, :-1]))
+    """x and y one entry short (a capture from another width: the schema takes any width shared by
+    a table's vectors, the check compares it with the model's)."""
+    corrupt(monkeypatch, assets.activations, "activation_rows",
+            lambda t: with_vectors(with_vectors(t, "x", lambda v: v[:, :-1]), "y", lambda v: v[:, :-1]))
     result, instance = run(zoo, tmp_path)
     assert_blocked(result, instance, "activations_valid", "x vectors have length 31, expected d_model = 32",
                    "local_fits", tmp_path)

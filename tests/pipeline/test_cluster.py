@@ -28,9 +28,9 @@ MODEL = "tiny-llama"
 SETTINGS = dict(n_seq=6, seq_len=16, k=8, rank=2, classes=["diagonal", "lowrank"])
 MODEL_STEPS = {"activations", "functional_metrics"}
 LIGHT_STEPS = {"local_fits", "residuals", "geometry"}
-# The last two layers (a contiguous range, as one local run takes it): one cluster run each (a step
-# process per stage and layer is what costs here)
-LAYERS = [N_LAYERS - 2, N_LAYERS - 1]
+# The last layer: one cluster run (a step process per stage and layer is what costs here; a run per
+# layer is the same path again)
+LAYERS = [N_LAYERS - 1]
 # Sort keys that identify a row in each table (the rest are measured values).
 ROW_KEYS = ("model", "layer", "fn_class", "variant", "which", "seq", "pos", "component", "replicate", "idx")
 

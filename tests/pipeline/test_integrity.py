@@ -107,10 +107,10 @@ def test_every_partition_has_a_manifest_and_a_flipped_bit_is_caught(
 
 
 def test_the_study_record_reads_every_runs_step_times_from_its_dagster_home(zoo: Path, tmp_path: Path) -> None:
-    """`updatelens bench --only study` records each Dagster run's step times from the run's own home."""
+    """`python -m bench --only study` records each Dagster run's step times from the run's own home."""
     import json
 
-    from updatelens.orchestration.bench_driver import study_record
+    from bench.driver import study_record
 
     home = tmp_path / "home"
     home.mkdir()

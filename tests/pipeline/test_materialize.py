@@ -152,7 +152,11 @@ def test_materializations_name_their_views_and_carry_column_schemas_and_a_partit
     meta = instance.get_latest_materialization_event(dg.AssetKey("geometry")).asset_materialization.metadata
     assert meta["dagster/table_name"].value == "geometry"
     assert meta["duckdb_views"].value == "geometry, spectra, geometry_bootstrap"
-    assert {"seq", "pos", "fn_class", "angle_full_res"} <= {c.name for c in meta["dagster/column_schema"].schema.columns}
+    columns = {c.name: c for c in meta["dagster/column_schema"].schema.columns}
+    assert {"seq", "pos", "fn_class", "angle_full_res"} <= set(columns)
+    # every column described, from the declared schema
+    assert all(c.description for c in columns.values()), [n for n, c in columns.items() if not c.description]
+    assert columns["angle_full_res"].description == "angle(Δ_full, r) in degrees"
     partitions = meta["partitions"]
     assert isinstance(partitions, dg.TableMetadataValue)
     assert [r.data["partition"] for r in partitions.records] == [f"tiny-mamba:{layer:02d}" for layer in range(N_LAYERS)]
@@ -163,6 +167,16 @@ def test_materializations_name_their_views_and_carry_column_schemas_and_a_partit
     mine = [r.asset_observation for r in seen if r.asset_observation.partition == "tiny-mamba:01"]
     assert mine and mine[-1].metadata["rows_residuals"].value == len(CLASSES) * N_SEQ * (SEQ_LEN - 1)
     assert isinstance(mine[-1].metadata["rel_err_median_lowrank"].value, float)
+
+
+def test_every_column_of_every_table_view_has_its_description_in_duckdb(run) -> None:
+    lens, _ = run
+    with duckdb.connect(str(catalog.catalog_path(lens.root)), read_only=True) as con:
+        rows = con.execute("SELECT table_name, column_name, comment FROM duckdb_columns() "
+                           f"WHERE table_name IN ({', '.join(repr(t) for t in TABLES)})").fetchall()
+    assert {t for t, _, _ in rows} == set(TABLES)
+    assert [(t, c) for t, c, comment in rows if not comment] == []
+    assert ("functional_metrics", "token", "the token's text") in rows  # the joined text too
 
 
 def test_every_row_records_its_configuration(run) -> None:

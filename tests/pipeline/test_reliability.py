@@ -22,12 +22,14 @@ from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
 from updatelens.orchestration.runner import materialize_model
 from updatelens.storage import catalog
 from updatelens.stages import TABLES
-from updatelens.storage.layout import KILL_BEFORE_MANIFEST_ENV, KILL_MID_REPLACE_ENV, KILL_MID_WRITE_ENV, STAGING
+from updatelens.storage.layout import STAGING
 from updatelens.errors import ModelError, UpdateLensError
 from updatelens.models import locate_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--n-seq", "6", "--seq-len", "16", "--k", "8", "--rank", "2"]
+# the crash and concurrency runs store results only (the reports are tested where they are built)
+NO_REPORT = ["--no-report"]
 
 
 def registry_with(zoo: Path, path: Path, extra: str = "") -> Path:
@@ -168,16 +170,24 @@ def test_blocks_that_cannot_be_located_are_a_clear_error() -> None:
         locate_blocks(NoBlocks())
 
 
-def cli(args: list[str], home: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    env = dict(os.environ, DAGSTER_HOME=str(home), HF_HUB_OFFLINE="1", **(extra_env or {}))
-    return subprocess.Popen([sys.executable, "-m", "updatelens.orchestration.cli", *args], cwd=REPO, env=env,
+def cli(args: list[str], home: Path, fault: str | None = None) -> subprocess.Popen:
+    """The CLI in a subprocess; with `fault`, under bench.faults, killed at that point of writing geometry."""
+    env = dict(os.environ, DAGSTER_HOME=str(home), HF_HUB_OFFLINE="1")
+    entry = ["bench.faults", fault, "geometry", "--"] if fault else ["updatelens.orchestration.cli"]
+    return subprocess.Popen([sys.executable, "-m", *entry, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_sigkill_mid_write_leaves_nothing_partial_and_the_rerun_completes(zoo: Path, tmp_path: Path) -> None:
+def test_sigkill_mid_write_before_the_manifest_and_mid_replace_leave_only_verified_files(zoo: Path,
+                                                                                        tmp_path: Path) -> None:
+    """Killed while a partition's data file is half-written, and after it is complete but before its
+    manifest: the partition never appears. Killed while replacing a partition (the new one swapped
+    in atomically, the old one not yet removed): the new partition is whole, the old one left in
+    staging until the next run cleans it. Every file readers see verifies, queries keep answering,
+    and the next run completes."""
     root = tmp_path / "data"
-    args = ["run", "--registry", str(zoo), "--data-root", str(root), "--model", "tiny-gpt2", *SMALL]
-    killed = cli(args, tmp_path / "home", {KILL_MID_WRITE_ENV: "geometry"})
+    args = ["run", "--registry", str(zoo), "--data-root", str(root), "--model", "tiny-gpt2", *SMALL, *NO_REPORT]
+    killed = cli(args, tmp_path / "home", "mid_write")
     killed.communicate(timeout=300)
     assert killed.returncode == -9
     assert list((root / STAGING).glob("*/part-0.parquet")), "the kill should land with a staging file half-written"
@@ -186,33 +196,23 @@ def test_sigkill_mid_write_leaves_nothing_partial_and_the_rerun_completes(zoo: P
         pq.read_table(path)
     # the stages before the killed one are whole (local_fits precedes geometry; residuals need not)
     assert catalog.query(root, "SELECT count(*) AS n FROM local_fits")["n"][0] == 3 * 2 * 6 * 15
+
+    killed = cli(args, tmp_path / "home", "before_manifest")  # the rerun computes what is missing: geometry on
+    killed.communicate(timeout=300)
+    assert killed.returncode == -9
+    assert list((root / STAGING).glob("*/part-0.parquet")) and not (root / "geometry").exists()
+    assert catalog.query(root, "SELECT count(*) AS n FROM damaged_partitions")["n"][0] == 0
+
     rerun = cli([*args, "--summary-json", str(tmp_path / "summary.json")], tmp_path / "home")
     out, _ = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, out
     summary = json.loads((tmp_path / "summary.json").read_text())  # what the bench reads
     assert summary["pipeline_s"] > 0 and 0 < summary["peak_rss_gib"] < 24 and summary["layers"] == [0, 1, 2]
-    assert not list((root / STAGING).iterdir())  # the crashed run's staging dir was cleaned up
+    assert "reports not built (--no-report)" in out and not (root / "reports").exists()
+    assert not list((root / STAGING).iterdir())  # the crashed runs' staging dirs were cleaned up
     assert catalog.query(root, "SELECT count(*) AS n FROM geometry")["n"][0] == 3 * 2 * 6 * 15
-    again = cli(args, tmp_path / "home")
-    out, _ = again.communicate(timeout=300)
-    assert again.returncode == 0 and "every requested partition is up to date" in out
 
-
-def test_sigkill_before_the_manifest_and_mid_replace_leave_only_verified_files(zoo: Path, tmp_path: Path) -> None:
-    """Killed after a data file is complete but before its manifest: the partition never appears.
-    Killed while replacing a partition (the new one swapped in atomically, the old one not yet
-    removed): the new partition is whole, the old one left in staging until the next run cleans it.
-    Every file readers see verifies, queries keep answering, and the next run completes."""
-    root = tmp_path / "data"
-    args = ["run", "--registry", str(zoo), "--data-root", str(root), "--model", "tiny-gpt2", *SMALL]
-    killed = cli(args, tmp_path / "home", {KILL_BEFORE_MANIFEST_ENV: "geometry"})
-    killed.communicate(timeout=300)
-    assert killed.returncode == -9
-    assert list((root / STAGING).glob("*/part-0.parquet")) and not (root / "geometry").exists()
-    assert catalog.query(root, "SELECT count(*) AS n FROM damaged_partitions")["n"][0] == 0
-    rerun = cli(args, tmp_path / "home")
-    assert rerun.communicate(timeout=300)[0] and rerun.returncode == 0
-    replaced = cli([*args, "--force"], tmp_path / "home", {KILL_MID_REPLACE_ENV: "geometry"})
+    replaced = cli([*args, "--force"], tmp_path / "home", "mid_replace")
     replaced.communicate(timeout=300)
     assert replaced.returncode == -9
     layers = catalog.query(root, "SELECT DISTINCT layer FROM geometry ORDER BY layer")["layer"].to_list()
@@ -225,13 +225,16 @@ def test_sigkill_before_the_manifest_and_mid_replace_leave_only_verified_files(z
     assert final.returncode == 0, out
     assert catalog.query(root, "SELECT count(DISTINCT layer) AS n FROM geometry")["n"][0] == 3
     assert not list((root / STAGING).iterdir())  # the abandoned folder was cleaned
+    again = cli(args, tmp_path / "home")
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0 and "every requested partition is up to date" in out
     assert subprocess.run([sys.executable, "-m", "updatelens.orchestration.cli", "verify", "--data-root", str(root)],
                           cwd=REPO, capture_output=True).returncode == 0
 
 
 def test_concurrent_runs_on_two_models_and_on_one_model_while_sql_reads(zoo: Path, tmp_path: Path) -> None:
     root = tmp_path / "data"
-    base = ["run", "--registry", str(zoo), "--data-root", str(root), *SMALL, "--force"]
+    base = ["run", "--registry", str(zoo), "--data-root", str(root), *SMALL, *NO_REPORT, "--force"]
     procs = [cli([*base, "--model", "tiny-gpt2"], tmp_path / "h1"),
              cli([*base, "--model", "tiny-mamba"], tmp_path / "h2"),
              cli([*base, "--model", "tiny-mamba"], tmp_path / "h3")]  # same partitions as the one before

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import linregress
 
-from updatelens import bench
+from bench import measures as bench
 from updatelens.capture import capture
 from updatelens.config import AnalysisConfig
 

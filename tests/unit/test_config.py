@@ -23,6 +23,7 @@ BAD = [
     (dict(bootstrap=-1), "bootstrap and bootstrap_spectra must be >= 0"),
     (dict(kl_block=0), "kl_block and kl_budget_mb must be >= 1"),
     (dict(subspace_ms=(1, 4, 64)), "subspace_ms must include 16"),
+    (dict(subspace_ms=(16, 90)), "subspace_ms may not include 90"),
     (dict(index="annoy"), "unknown index"),
 ]
 

@@ -144,6 +144,7 @@ def test_the_views_render_the_findings_declared_in_the_engine(tmp_path: Path, mo
     extra = findings.Finding("7", "a planted claim", "max over layers of the median relative error",
                              "max(rel_err_median)", "<=", 10.0, "the test", "max(rel_err_median) + 1", "one more")
     monkeypatch.setattr(catalog, "FINDINGS", (*findings.FINDINGS, extra))
+    catalog.refresh(tmp_path)  # a changed declaration is a new code version: the catalog is rebuilt
     planted = catalog.query(tmp_path, "SELECT fn_class, value, holds FROM findings_by_class WHERE finding = '7'")
     assert sorted(planted["fn_class"].to_list()) == sorted(CLASSES) and all(planted["holds"])
 

@@ -24,6 +24,7 @@ from updatelens.storage.layout import (
 from updatelens.storage.location import as_root, is_local, url
 from updatelens.storage.store import Store
 from tests import cluster
+from tests.rows import declared_rows
 from updatelens.errors import ConfigError, UpdateLensError
 from updatelens.preflight import check_data_root
 
@@ -45,6 +46,11 @@ def root(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
 def table(n: int, value: float, layer: int = 0) -> pa.Table:
     return pa.table({"model": ["m"] * n, "layer": pa.array([layer] * n, pa.int32()), "v": [value] * n})
+
+
+def spectra(n: int, value: float, layer: int = 0) -> pa.Table:
+    """Rows of a real table (the store validates its schema): `sigma` is the value."""
+    return declared_rows("spectra", n, model="m", layer=layer, sigma=value)
 
 
 def keys(root: str) -> list[str]:
@@ -139,22 +145,21 @@ def test_an_unreachable_bucket_is_refused_before_any_work(root: str) -> None:
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_store_opened_once_writes_reads_locks_and_queries_its_partitions(where: str, root: str, tmp_path: Path) -> None:
     store = Store.open(tmp_path / "data" if where == "local" else root)
-    part = store.partition("spectra", "m", 3)
-    assert not part.exists() and not store.has_files("spectra")
-    with pytest.raises(FileNotFoundError, match="spectra for model=m layer=3 is not materialized"):
+    part = store.partition("residuals", "m", 3)
+    assert not part.exists() and not store.has_files("residuals")
+    with pytest.raises(FileNotFoundError, match="residuals for model=m layer=3 is not materialized"):
         part.read()
-    rows = pa.table({"model": ["m"] * 4, "layer": pa.array([3] * 4, pa.int32()), "seq": pa.array([0, 0, 1, 2], pa.int32()),
-                     "v": [1.0, 2.0, 3.0, 4.0]})
+    rows = declared_rows("residuals", 4, model="m", layer=3, seq=[0, 0, 1, 2], norm_res=[1.0, 2.0, 3.0, 4.0])
     with part.writer() as sink:
         assert not part.exists()  # nothing visible until the block exits
         sink.write(rows.slice(0, 2))
         sink.write(rows.slice(2))
-    assert part.exists() and store.has_model("spectra", "m") and partition_error(part.file) is None
-    assert part.read(["v"])["v"].to_pylist() == [1.0, 2.0, 3.0, 4.0]
+    assert part.exists() and store.has_model("residuals", "m") and partition_error(part.file) is None
+    assert part.read(["norm_res"])["norm_res"].to_pylist() == [1.0, 2.0, 3.0, 4.0]
     assert [len(p) for p in part.parts()] == [2, 2]  # one row group per write
-    assert part.seqs(1, 3)["v"].to_pylist() == [3.0, 4.0]
+    assert part.seqs(1, 3)["norm_res"].to_pylist() == [3.0, 4.0]
     with store.lock("m", [3]), store.lock("m"):
-        assert store.query("SELECT sum(v) AS s FROM spectra WHERE layer = 3")["s"][0] == 10.0
+        assert store.query("SELECT sum(norm_res) AS s FROM residuals WHERE layer = 3")["s"][0] == 10.0
     part.delete()
     assert not part.exists()
 
@@ -165,7 +170,7 @@ def test_a_damaged_object_is_left_out_listed_and_quarantined_not_deleted(root: s
     and a rewrite of the partition verifies again."""
     store = Store.open(root)
     for layer in (0, 1):
-        store.partition("spectra", "m", layer).write(table(3, float(layer), layer))
+        store.partition("spectra", "m", layer).write(spectra(3, float(layer), layer))
     damaged = store.partition("spectra", "m", 1)
     fs = as_root(root).fs
     body = fs.cat_file(damaged.file.path)
@@ -177,17 +182,17 @@ def test_a_damaged_object_is_left_out_listed_and_quarantined_not_deleted(root: s
     moved = quarantine(root, found[0].path)
     assert not damaged.exists() and fs.cat_file(moved.path) == body[: len(body) // 2]
     assert any(k.startswith("_quarantine/") and k.endswith("layer=1/manifest.json") for k in keys(root))
-    damaged.write(table(3, 1.0, 1))
+    damaged.write(spectra(3, 1.0, 1))
     assert store.damaged() == [] and store.query("SELECT count(*) AS n FROM spectra")["n"][0] == 6
 
 
 def test_a_run_replacing_a_damaged_object_keeps_it_in_quarantine(root: str) -> None:
     part = Store.open(root).partition("spectra", "m", 0)
-    part.write(table(3, 1.0))
+    part.write(spectra(3, 1.0))
     fs = as_root(root).fs
     fs.pipe_file(part.file.path, b"PAR1 not a parquet file")
     with pytest.warns(UserWarning, match="replaced a damaged partition file"):
-        part.write(table(3, 2.0))
-    assert partition_error(part.file) is None and part.read(["v"])["v"].to_pylist() == [2.0] * 3
+        part.write(spectra(3, 2.0))
+    assert partition_error(part.file) is None and part.read(["sigma"])["sigma"].to_pylist() == [2.0] * 3
     kept = [k for k in keys(root) if k.startswith("_quarantine/") and k.endswith("part-0.parquet")]
     assert len(kept) == 1 and fs.cat_file(f"{as_root(root).path}/{kept[0]}") == b"PAR1 not a parquet file"

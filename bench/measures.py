@@ -164,7 +164,7 @@ def bench_fits(x: np.ndarray, y: np.ndarray, groups: np.ndarray, cfg: AnalysisCo
 # ---- 3. neighbours ------------------------------------------------------------------------------
 def bench_knn(vectors: np.ndarray, k: int, device: str = "cpu") -> list[Record]:
     """Exact search (on the GPU where faiss-gpu sees one) vs a same-size matmul on the same device.
-    The approximate index is judged at research scale by `bench_ann` (`updatelens bench --only knn`)."""
+    The approximate index is judged at research scale by `bench_ann` (`python -m bench --only knn`)."""
     records = []
     n_exact = min(20000, len(vectors))
     x = vectors[:n_exact]

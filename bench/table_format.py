@@ -8,7 +8,7 @@ file of each and records what a reader gets: the product's verification names th
 table reads (or fails) without saying which file is wrong.
 
     pip install deltalake   # not a dependency of the product
-    python -m tests.manual.table_format --data-root data OUT.json
+    python -m bench.table_format --data-root data OUT.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ before the fault (Parquet tables compared whole). The faults:
 
 - delete, truncate (to half) and flip one bit of the first table of each of the five stages;
 - SIGKILL while a partition is being written, between the data file and its manifest, and while
-  an existing partition is being replaced (the product's fault-injection variables);
+  an existing partition is being replaced (bench.faults patches the writer of the run's process);
 - a full disk: the data root on a small tmpfs (needs root; otherwise recorded as not run) filled by
   another writer while a run is going;
 - two runs on the same model and root at once;
@@ -19,7 +19,7 @@ before the fault (Parquet tables compared whole). The faults:
 It also times `verify_root` over the whole root (what every run and view refresh pays) against
 the pipeline time given with --pipeline-s.
 
-    python -m tests.manual.fault_drill --data-root data --layers 6-8 --target 7 OUT.json
+    python -m bench.fault_drill --data-root data --layers 6-8 --target 7 OUT.json
 """
 
 from __future__ import annotations
@@ -39,15 +39,9 @@ import pyarrow.parquet as pq
 
 from updatelens.stages import STAGES, TABLES
 from updatelens.storage import catalog
-from updatelens.storage.layout import (
-    KILL_BEFORE_MANIFEST_ENV,
-    KILL_MID_REPLACE_ENV,
-    KILL_MID_WRITE_ENV,
-    STAGING,
-    partition_file,
-)
+from updatelens.storage.layout import STAGING, partition_file
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -76,19 +70,20 @@ class Drill:
         self.other_rows: dict[str, int] = {}
 
     # ---- the product's commands ----------------------------------------------------------------
-    def cli(self, *args: str, env: dict[str, str] | None = None, background: bool = False):  # noqa: ANN201
-        full_env = dict(os.environ, DAGSTER_HOME=str(self.home), HF_HUB_OFFLINE="1", UPDATELENS_PROGRESS="off",
-                        **(env or {}))
-        cmd = [sys.executable, "-m", "updatelens.orchestration.cli", *args, "--data-root", str(self.root)]
+    def cli(self, *args: str, fault: tuple[str, str] | None = None, background: bool = False):  # noqa: ANN201
+        """The CLI in a subprocess; `fault` (fault, table): under bench.faults, killed there."""
+        full_env = dict(os.environ, DAGSTER_HOME=str(self.home), HF_HUB_OFFLINE="1", UPDATELENS_PROGRESS="off")
+        entry = ["bench.faults", *fault, "--"] if fault else ["updatelens.orchestration.cli"]
+        cmd = [sys.executable, "-m", *entry, *args, "--data-root", str(self.root)]
         proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if background:
             return proc
         out, _ = proc.communicate()
         return proc.returncode, out
 
-    def run(self, *extra: str, env: dict[str, str] | None = None, background: bool = False):  # noqa: ANN201
+    def run(self, *extra: str, background: bool = False):  # noqa: ANN201
         span = f"{self.layers[0]}-{self.layers[-1]}"
-        return self.cli("run", "--model", self.model, "--layers", span, *self.extra, *extra, env=env,
+        return self.cli("run", "--model", self.model, "--layers", span, *self.extra, *extra,
                         background=background)
 
     def verify(self) -> tuple[int, str]:
@@ -175,11 +170,11 @@ class Drill:
             outcome.notes.append("the damaged file was not kept in _quarantine")
         return outcome
 
-    def kill(self, fault: str, env: str, table: str = "geometry") -> Outcome:
-        """A run over the target layer killed at `env`'s point; then verify, the others, the repair."""
+    def kill(self, fault: str, point: str, table: str = "geometry") -> Outcome:
+        """A run over the target layer killed at `point` (bench.faults); then verify, the others, the repair."""
         outcome = Outcome(fault, table)
         rc, out = self.cli("run", "--model", self.model, "--layers", str(self.target), "--force", *self.extra,
-                           env={env: table})
+                           fault=(point, table))
         if rc != -9:
             outcome.notes.append(f"the run was not killed (exit {rc}): {out[-500:]}")
         vrc, vout = self.verify()
@@ -411,9 +406,9 @@ def main() -> int:
             for fault in ("delete", "truncate", "bit flip"):
                 done(drill.file_fault(fault, stage.tables[0]))
     if "kills" in only:
-        done(drill.kill("SIGKILL mid-write", KILL_MID_WRITE_ENV))
-        done(drill.kill("SIGKILL before manifest", KILL_BEFORE_MANIFEST_ENV))
-        done(drill.kill("SIGKILL mid-replace", KILL_MID_REPLACE_ENV))
+        done(drill.kill("SIGKILL mid-write", "mid_write"))
+        done(drill.kill("SIGKILL before manifest", "before_manifest"))
+        done(drill.kill("SIGKILL mid-replace", "mid_replace"))
     if "placement" in only:
         done(drill.misplaced())
         done(drill.stray())

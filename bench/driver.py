@@ -1,6 +1,6 @@
-"""The bench driver behind `updatelens bench`: loads the model, runs the engine's benchmarks
-(updatelens.bench) and whole pipeline runs in fresh processes, prints the tables and writes the
-records. Targets and measurements live in updatelens.bench; this module only drives them."""
+"""The bench driver behind `python -m bench`: loads the model, runs the engine's benchmarks
+(bench.measures) and whole pipeline runs in fresh processes, prints the tables and writes the
+records. Targets and measurements live in bench.measures; this module only drives them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from updatelens.orchestration.output import print_frame
 
 if TYPE_CHECKING:
-    from updatelens.bench import Record
+    from bench.measures import Record
 
 
 def _pipeline_run(layers: str, root: Path, home: Path, device: str = "cpu",
@@ -58,7 +58,7 @@ def forward_floors(model: str, layers: list[int] | None, device: str, registry: 
     over all layers: the dense FLOPs of their passes, counted from the loaded weights, at that rate."""
     import torch
 
-    from updatelens import bench
+    from bench import measures as bench
     from updatelens.analysis import patched_pass_count
     from updatelens.config import AnalysisConfig, preset_layers, preset_settings
     from updatelens.models import load_model
@@ -91,7 +91,7 @@ def study_record(home: Path, summary: dict[str, object], n_tokens: int, device: 
     `updatelens run --preset study`: its Dagster home and its --summary-json figures, with the
     forward-pass floor measured now (see `forward_floors`; the model from `registry`, default the
     project's). The table."""
-    from updatelens import bench
+    from bench import measures as bench
 
     steps = _step_times(home)
     layers = [int(x) for x in summary["layers"]]  # type: ignore[union-attr]
@@ -131,7 +131,7 @@ def _bench_study(args: argparse.Namespace, root: Path) -> int:
 def _bench_floor(args: argparse.Namespace, root: Path) -> int:
     """The forward-pass floors of the study preset and the default job of `--model` on this device,
     without running them (a minute): bench_floor-<model>.json."""
-    from updatelens import bench
+    from bench import measures as bench
 
     records = forward_floors(args.model, None, args.device, default_job=True)
     print(bench.table(records))
@@ -150,7 +150,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from updatelens.storage.location import default_data_root
     from updatelens.storage.location import is_url
-    from updatelens import bench
+    from bench import measures as bench
     from updatelens.capture import capture, kept_mask
     from updatelens.config import AnalysisConfig
     from updatelens.corpus import make_sample
@@ -160,7 +160,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if is_url(args.data_root or default_data_root()):
-        print("updatelens bench: the bench writes to a local data root; pass --data-root PATH", file=sys.stderr)
+        print("python -m bench: the bench writes to a local data root; pass --data-root PATH", file=sys.stderr)
         return 2
     root = Path(args.data_root or default_data_root())
     if args.only == "scale":
@@ -175,10 +175,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         cfg.validate()
     except ConfigError as exc:
-        print(f"updatelens bench: {exc}", file=sys.stderr)
+        print(f"python -m bench: {exc}", file=sys.stderr)
         return 2
     if cfg.device != "cpu" and not torch.cuda.is_available():
-        print(f"updatelens bench: --device {cfg.device}, but torch sees no CUDA device", file=sys.stderr)
+        print(f"python -m bench: --device {cfg.device}, but torch sees no CUDA device", file=sys.stderr)
         return 2
     device = cfg.device
     lm = load_model(get_model("smollm2-135m"), device=device)
@@ -224,7 +224,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_knn(args: argparse.Namespace, root: Path) -> int:
     """Approximate k-NN at research scale on SmolLM2's real states: search settings tuned on one layer,
     every method judged on another (ann.json: every point; bench_knn.json: the records)."""
-    from updatelens import bench
+    from bench import measures as bench
     from updatelens.config import AnalysisConfig
     from updatelens.corpus import make_sample
     from updatelens.models import load_model
@@ -259,7 +259,7 @@ def _bench_scale(args: argparse.Namespace, root: Path) -> int:
     import tempfile
 
     from updatelens.storage.layout import convergence_root
-    from updatelens import bench
+    from bench import measures as bench
     from updatelens.config import PRESETS
 
     sizes = sorted({int(t) for t in args.scale_tokens.split(",")})

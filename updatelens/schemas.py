@@ -1,0 +1,213 @@
+"""One schema per stored table, declared once: every column's Arrow type and what it means.
+
+The writer validates every table against its schema before a byte is written (`check`), the DuckDB
+catalog puts the descriptions on its views (`COMMENT ON COLUMN`) and the Dagster assets show them as
+their column schema. A few columns depend on the configuration: the projection energies of the
+geometry table exist for each `subspace_ms` (and for the 90 %-energy subspace, `m90`); vector columns
+have the model's width, and `neighbours` has `k` entries.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from updatelens.bootstrap import GEOMETRY_STATISTIC_DEFS
+from updatelens.config import AnalysisConfig
+
+VECTOR = "vector"  # FixedSizeList<float32>[d_model]
+NEIGHBOURS = "neighbours"  # FixedSizeList<int32>[k]
+
+
+class SchemaError(ValueError):
+    """A table that does not match its declared schema (named column, expected and found types)."""
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType | str  # an Arrow type, or VECTOR / NEIGHBOURS (fixed-size lists sized by model and k)
+    description: str
+
+
+def _c(name: str, typ: pa.DataType | str, description: str) -> Column:
+    return Column(name, typ, description)
+
+
+I32, I64, F64, STR, BOOL = pa.int32(), pa.int64(), pa.float64(), pa.string(), pa.bool_()
+
+LAYER = _c("layer", I32, "block index l: the row describes the update h_l -> h_{l+1} of block l")
+SEQ = _c("seq", I32, "sequence index in the corpus sample (windows of seq_len tokens)")
+POS = _c("pos", I32, "token position within its sequence (0 is BOS or the first token, never analysed)")
+FN_CLASS = _c("fn_class", STR, "function class of the local fit T: diagonal, low_rank, full_linear, mlp, ...")
+REPLICATE = _c("replicate", I32, "bootstrap resample over documents (0 .. bootstrap-1)")
+
+PROVENANCE: tuple[Column, ...] = (
+    _c("model", STR, "model name in the registry"),
+    _c("model_revision", STR, "the model's revision (hub commit or file digest)"),
+    _c("corpus", STR, "corpus name"),
+    _c("corpus_slice", STR, "which documents and windows of the corpus were read"),
+    _c("config_id", STR, "digest of the analysis configuration (config_json)"),
+    _c("k", I32, "neighbours per local fit"),
+    _c("rank", I32, "rank of the low-rank class"),
+    _c("dtype", STR, "floating type of the fits"),
+    _c("code_version", STR, "version of the engine that wrote the row"),
+    _c("config_json", STR, "the whole analysis configuration, as JSON"),
+    _c("model_layers", I32, "the model's depth (the analysed layers may be fewer)"),
+)
+
+_GEOMETRY_PARTS = {"full": "Δ_full = y - x", "tok": "Δ_tok = T(x) - x", "res": "the residual r = y - T(x)"}
+
+
+def _projections(cfg: AnalysisConfig | None) -> list[Column]:
+    """proj_{full,tok,res}_m{m} for each configured m and for m90, then the null's top-16 projection."""
+    ms = [f"m{m}" for m in (cfg.subspace_ms if cfg else AnalysisConfig().subspace_ms)] + ["m90"]
+    out = []
+    for label in ms:
+        size = "the smallest m holding 90 % of Δ_tok's energy (m90_tok)" if label == "m90" else label[1:]
+        for part, what in _GEOMETRY_PARTS.items():
+            out.append(_c(f"proj_{part}_{label}", F64, f"share of the energy of {what} on the layer's top "
+                                                       f"{size} tokenwise directions (uncentred SVD of Δ_tok)"))
+    return out
+
+
+def _bootstrap_geometry() -> list[Column]:
+    how = {"median": "median of", "share_gt60": "share of tokens with", "mean": "mean of"}
+    out = []
+    for name, column, agg in GEOMETRY_STATISTIC_DEFS:
+        extra = " > 60°" if agg == "share_gt60" else ""
+        out.append(_c(name, F64, f"{how[agg]} {column}{extra} on the resample"))
+    ranks = {"rank_full": "Δ_full", "rank_tok": "Δ_tok", "rank_res": "the residual",
+             "rank_full_null": "Δ_full with the random-direction residual", "rank_res_null": "the random-direction residual"}
+    out += [_c(name, F64, f"effective rank of {what} on the resample (NaN beyond bootstrap_spectra)")
+            for name, what in ranks.items()]
+    return out
+
+
+def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]:
+    """The declared columns of `table` under `cfg` (the default configuration when None), in order,
+    provenance last."""
+    body: list[Column]
+    if table == "activations":
+        body = [SEQ, _c("doc", I32, "the corpus document the sequence was cut from (the bootstrap's unit)"), POS,
+                _c("token_id", I64, "input token id"),
+                _c("attention_mask", pa.int8(), "1 where the position holds a token"),
+                _c("kept", BOOL, "analysed: not position 0, not padding"),
+                _c("x", VECTOR, "h_l, the block's input hidden state"),
+                _c("y", VECTOR, "h_{l+1}, the block's output hidden state")]
+    elif table == "tokens":
+        body = [SEQ, POS, _c("token_id", I64, "input token id"), _c("token", STR, "the token's text"),
+                _c("context", STR, "a short left context ending with the token")]
+    elif table == "local_fits":
+        body = [FN_CLASS, SEQ, POS, _c("tx", VECTOR, "T(x): the local fit evaluated at the token (out of sample)"),
+                _c("fit_cond", F64, "condition number of the fit's normal equations"),
+                _c("degenerate", BOOL, "ill-conditioned or non-finite fit"),
+                _c(NEIGHBOURS, NEIGHBOURS, "row indices of the k nearest neighbours (other sequences) it was fitted on")]
+    elif table == "residuals":
+        body = [FN_CLASS, SEQ, POS, _c("residual", VECTOR, "r = y - T(x)"),
+                _c("norm_full", F64, "||Δ_full|| = ||y - x||"), _c("norm_tok", F64, "||Δ_tok|| = ||T(x) - x||"),
+                _c("norm_res", F64, "||r||"), _c("rel_err", F64, "relative error ||r|| / ||Δ_full||")]
+    elif table == "geometry":
+        body = [FN_CLASS, SEQ, POS, _c("rel_err", F64, "relative error ||r|| / ||Δ_full||"),
+                _c("cos_full_tok", F64, "cos(Δ_full, Δ_tok)"), _c("cos_full_res", F64, "cos(Δ_full, r)"),
+                _c("cos_tok_res", F64, "cos(Δ_tok, r)"), _c("cos_full_tok_map", F64, "cos(y, T(x)): the map form"),
+                _c("angle_full_tok", F64, "angle(Δ_full, Δ_tok) in degrees"),
+                _c("angle_full_res", F64, "angle(Δ_full, r) in degrees"),
+                _c("angle_tok_res", F64, "angle(Δ_tok, r) in degrees"), *_projections(cfg),
+                _c("cos_full_tok_null", F64, "cos_full_tok with the residual turned to a random direction (same length)"),
+                _c("cos_full_tok_map_null", F64, "cos_full_tok_map with the random-direction residual"),
+                _c("angle_full_res_null", F64, "angle_full_res with the random-direction residual"),
+                _c("angle_tok_res_null", F64, "angle_tok_res with the random-direction residual"),
+                _c("proj_null_m16", F64, "proj_res_m16 of the random-direction residual"),
+                _c("m90_tok", I32, "the smallest m holding 90 % of the layer's Δ_tok energy")]
+    elif table == "spectra":
+        body = [FN_CLASS, _c("which", STR, "the stacked vectors: full, tok, res (and their nulls)"),
+                _c("idx", I32, "singular value index, by decreasing size"), _c("sigma", F64, "singular value"),
+                _c("cum_energy", F64, "share of the energy in the first idx+1 values"),
+                _c("effective_rank", F64, "exp of the entropy of the normalised energies"),
+                _c("m_energy", I32, "values holding 90 % of the energy")]
+    elif table == "geometry_bootstrap":
+        body = [FN_CLASS, REPLICATE, *_bootstrap_geometry()]
+    elif table == "functional_metrics":
+        body = [FN_CLASS, _c("variant", STR, "the patch: tokenwise (T(x)), random (same-size random "
+                                             "perturbation), crude (a cruder class), identity"),
+                _c("patch_mode", STR, "single: one position patched per pass; all: every position at once"),
+                SEQ, POS, _c("kl", F64, "KL(original || patched) of the next-token distribution, in nats (>= 0)"),
+                _c("rel_err", F64, "the patched state's relative error"), _c("norm_res", F64, "the patched state's ||r||")]
+    elif table == "functional_summary":
+        body = [FN_CLASS, _c("variant", STR, "the patch (see functional_metrics)"),
+                _c("patch_mode", STR, "single or all"), _c("n_tokens", I32, "tokens patched"),
+                _c("kl_mean", F64, "mean KL"), _c("kl_median", F64, "median KL"), _c("kl_max", F64, "largest KL"),
+                _c("kl_raw_min", F64, "smallest KL before its clamp at 0 (rounding shows here)"),
+                _c("spearman_relerr_kl", F64, "Spearman correlation of rel_err and KL over tokens"),
+                _c("spearman_relerr_kl_p", F64, "its p-value (tokens taken as independent: see the bootstrap)"),
+                _c("spearman_normres_kl", F64, "Spearman correlation of ||r|| and KL over tokens"),
+                _c("spearman_normres_kl_p", F64, "its p-value")]
+    elif table == "functional_bootstrap":
+        body = [FN_CLASS, REPLICATE,
+                _c("spearman_relerr_kl", F64, "Spearman(rel_err, KL) on the resample"),
+                _c("spearman_normres_kl", F64, "Spearman(||r||, KL) on the resample"),
+                _c("spearman_relerr_kl_null", F64, "Spearman(rel_err, KL of the same-size random patch) on the resample"),
+                _c("spearman_normres_kl_null", F64, "Spearman(||r||, KL of the same-size random patch) on the resample")]
+    else:
+        raise SchemaError(f"no schema is declared for table {table!r}")
+    return (LAYER, *body, *PROVENANCE)
+
+
+def descriptions(table: str, cfg: AnalysisConfig | None = None) -> dict[str, str]:
+    return {c.name: c.description for c in columns(table, cfg)}
+
+
+def _config_of(table: pa.Table) -> AnalysisConfig | None:
+    if "config_json" not in table.column_names or len(table) == 0:
+        return None
+    return AnalysisConfig.from_dict(json.loads(table["config_json"][0].as_py()))
+
+
+def _matches(declared: pa.DataType | str, found: pa.DataType, cfg: AnalysisConfig | None) -> bool:
+    if declared == VECTOR:
+        return pa.types.is_fixed_size_list(found) and found.value_type == pa.float32() and found.list_size > 0
+    if declared == NEIGHBOURS:
+        return (pa.types.is_fixed_size_list(found) and found.value_type == pa.int32()
+                and (cfg is None or found.list_size == cfg.k))
+    return found == declared
+
+
+def check(table_name: str, table: pa.Table | pa.Schema) -> None:
+    """Raise SchemaError unless `table` has exactly its declared columns, in order and of their types
+    (under the configuration its rows record)."""
+    cfg = _config_of(table) if isinstance(table, pa.Table) else None
+    schema = table.schema if isinstance(table, pa.Table) else table
+    declared = columns(table_name, cfg)
+    names = [c.name for c in declared]
+    found = schema.names
+    if found != names:
+        missing = [n for n in names if n not in found]
+        extra = [n for n in found if n not in names]
+        raise SchemaError(f"table {table_name!r} does not have its declared columns: missing {missing}, "
+                          f"undeclared {extra}" + ("" if missing or extra else ", out of order"))
+    widths = set()
+    for column in declared:
+        typ = schema.field(column.name).type
+        if not _matches(column.type, typ, cfg):
+            raise SchemaError(f"table {table_name!r}: column {column.name!r} is {typ}, declared "
+                              f"{column.type if isinstance(column.type, pa.DataType) else column.type}")
+        if column.type == VECTOR:
+            widths.add(typ.list_size)
+    if len(widths) > 1:
+        raise SchemaError(f"table {table_name!r}: vector columns of different widths {sorted(widths)}")
+
+
+def describe_column(table: str, name: str) -> str | None:
+    """The description of a column of a stored table, for any configuration (a projection energy on
+    a top-m subspace of any m included); None for a column the schema does not declare."""
+    if name in (known := descriptions(table)):
+        return known[name]
+    parts = name.split("_")
+    if table == "geometry" and len(parts) == 3 and parts[0] == "proj" and parts[1] in _GEOMETRY_PARTS \
+            and parts[2][:1] == "m" and parts[2][1:].isdigit():
+        return (f"share of the energy of {_GEOMETRY_PARTS[parts[1]]} on the layer's top {parts[2][1:]} "
+                f"tokenwise directions (uncentred SVD of Δ_tok)")
+    return None
