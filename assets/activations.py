@@ -11,7 +11,7 @@ import dagster as dg
 import pyarrow as pa
 
 from updatelens.assets import checks
-from updatelens.assets.common import Written, each_model, finish, stage_asset
+from updatelens.assets.common import Finished, Written, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.analysis import activation_rows, provenance, token_rows
 from updatelens.capture import capture_batches
@@ -19,7 +19,7 @@ from updatelens.preflight import check_data_root
 
 
 @stage_asset
-def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
+def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
     cfg = lens.config()
     store = lens.store
     check_data_root(store.root)
@@ -65,7 +65,7 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
         for layer, verdict in checks.check_against_hidden_states(lm, sample.input_ids, heads, lens.checks).items():
             matches[f"{model}:{layer:02d}"] = verdict
         d_model = lm.d_model
-    return finish(store, cfg, written, context=context, extra={"d_model": d_model}, check_results=[
+    return finish(store, cfg, written, extra={"d_model": d_model}, check_results=[
         checks.result("activations", "activations_valid", valid, lens.checks),
         checks.result("activations", "activations_match_hidden_states", matches, lens.checks),
     ])

@@ -20,8 +20,7 @@ import torch
 from updatelens.assets.expectations import Expect, Verdict, between, row_count, validate
 from updatelens.analysis import LayerData
 from updatelens.config import AnalysisConfig
-from updatelens.fits import LOCAL_FITTERS, FitParams, LayerFit, fit_local_batched, refit_anchors, torch_dtype
-from updatelens.fits.global_linear import fit_global_linear
+from updatelens.fits import LOCAL_FITTERS, FitParams, LayerFit, refit_anchors, torch_dtype
 from updatelens.models import LoadedModel
 from updatelens.perturbation import OriginalOutput, Variant, patched_kl
 from updatelens.stages import STAGES
@@ -90,33 +89,63 @@ def specs(asset: str) -> list[dg.AssetCheckSpec]:
             for c in CHECKS[asset]]
 
 
-def result(asset: str, name: str, verdicts: dict[str, Verdict], settings: CheckSettings) -> dg.AssetCheckResult:
-    """One check result over the partitions of this run: passes iff every partition passes."""
-    total = Verdict()
-    for partition, v in verdicts.items():
-        total.merge(v, prefix=f"{partition}: " if len(verdicts) > 1 else "")
-    evaluated = sorted(set(total.evaluated))
-    n_failed = len(total.failures)
-    metadata = {
-        "partitions_checked": len(verdicts),
+def _metadata(verdict: Verdict, partitions: int, settings: CheckSettings) -> dict[str, object]:
+    evaluated = sorted(set(verdict.evaluated))
+    n_failed = len(verdict.failures)
+    metadata: dict[str, object] = {
+        "partitions_checked": partitions,
         "expectations": dg.MetadataValue.json(evaluated),
-        "expectations_evaluated": len(total.evaluated),
+        "expectations_evaluated": len(verdict.evaluated),
         "expectations_failed": n_failed,
-        "expectations_passed": len(total.evaluated) - n_failed,
+        "expectations_passed": len(verdict.evaluated) - n_failed,
         "thresholds": dg.MetadataValue.json(settings.model_dump()),
     }
     if n_failed:
-        metadata["failures"] = dg.MetadataValue.md("\n".join(f"- {f}" for f in total.failures[:50]))
-        metadata["worst_offenders"] = dg.MetadataValue.json(total.offenders[:20])
-    blocking = next(c.blocking for c in CHECKS[asset] if c.name == name)
-    return dg.AssetCheckResult(
-        asset_key=asset,
-        check_name=name,
-        passed=total.passed,
-        severity=dg.AssetCheckSeverity.ERROR if blocking else dg.AssetCheckSeverity.WARN,
-        description="; ".join(total.failures[:3]) if n_failed else None,
-        metadata=metadata,
-    )
+        metadata["failures"] = dg.MetadataValue.md("\n".join(f"- {f}" for f in verdict.failures[:50]))
+        metadata["worst_offenders"] = dg.MetadataValue.json(verdict.offenders[:20])
+    return metadata
+
+
+@dataclass
+class Outcome:
+    """One check's verdicts on the partitions a run wrote: an evaluation per partition (its own
+    expectations and offenders) and the run's result, which passes iff every partition passes (what
+    blocks the downstream steps of a blocking check)."""
+
+    asset: str
+    name: str
+    verdicts: dict[str, Verdict]  # partition key -> verdict
+    settings: CheckSettings
+
+    @property
+    def blocking(self) -> bool:
+        return next(c.blocking for c in CHECKS[self.asset] if c.name == self.name)
+
+    @property
+    def severity(self) -> dg.AssetCheckSeverity:
+        return dg.AssetCheckSeverity.ERROR if self.blocking else dg.AssetCheckSeverity.WARN
+
+    def evaluations(self) -> list[dg.AssetCheckEvaluation]:
+        """One per partition, in partition order, the passing ones first: the UI takes the check's
+        last evaluation for its status, so a failure anywhere is what it shows."""
+        return [dg.AssetCheckEvaluation(asset_key=dg.AssetKey(self.asset), check_name=self.name, passed=v.passed,
+                                        metadata=_metadata(v, 1, self.settings), severity=self.severity,
+                                        description="; ".join(v.failures[:3]) if v.failures else None,
+                                        blocking=self.blocking, partition=key)
+                for key, v in sorted(self.verdicts.items(), key=lambda kv: (not kv[1].passed, kv[0]))]
+
+    def result(self) -> dg.AssetCheckResult:
+        """The run's result over its partitions (failures prefixed by their partition)."""
+        total = Verdict()
+        for partition, v in sorted(self.verdicts.items()):
+            total.merge(v, prefix=f"{partition}: " if len(self.verdicts) > 1 else "")
+        return dg.AssetCheckResult(asset_key=self.asset, check_name=self.name, passed=total.passed,
+                                   severity=self.severity, metadata=_metadata(total, len(self.verdicts), self.settings),
+                                   description="; ".join(total.failures[:3]) if total.failures else None)
+
+
+def result(asset: str, name: str, verdicts: dict[str, Verdict], settings: CheckSettings) -> Outcome:
+    return Outcome(asset, name, verdicts, settings)
 
 
 def _finite_rows(matrix: np.ndarray) -> np.ndarray:

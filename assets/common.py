@@ -137,9 +137,20 @@ def stage_asset(fn):  # noqa: ANN001, ANN201 - a decorator
     stage = BY_NAME[fn.__name__]
 
     @functools.wraps(fn)
-    def logged(context: dg.AssetExecutionContext, lens: object) -> object:
+    def logged(context: dg.AssetExecutionContext, lens: object) -> Iterator[object]:
         with engine_logs(context.log):
-            return fn(context, lens)
+            done: Finished = fn(context, lens)
+        # the materialization of every partition first, then each partition's own figures (an
+        # observation of it) and each check's evaluation of each partition (the UI lists them by
+        # partition); last the run's result of each check over its partitions (what a blocking check
+        # stops the downstream steps on)
+        yield done.materialization
+        observe_partitions(context, done.written)
+        for outcome in done.outcomes:
+            for evaluation in outcome.evaluations():
+                context.log_event(evaluation)
+        for outcome in done.outcomes:
+            yield outcome.result()
 
     return dg.asset(
         name=stage.name,
@@ -181,9 +192,10 @@ def md_table(columns: list[str], rows: Iterable[Iterable[object]]) -> str:
 
 
 def partition_table(per_partition: dict[str, dict[str, object]]) -> dg.TableMetadataValue:
-    """One row per partition written in the run (rows per table, figures, Parquet path)."""
-    columns = list(dict.fromkeys(c for figures in per_partition.values() for c in figures))
-    return frame_table(pl.DataFrame([{"partition": key, **{c: figures.get(c) for c in columns}}
+    """One row per partition written in the run (rows per table, figures rounded to 4 significant
+    digits; each partition's file is in its own observation)."""
+    columns = list(dict.fromkeys(c for figures in per_partition.values() for c in figures if c != "parquet_path"))
+    return frame_table(pl.DataFrame([{"partition": key, **{c: _rounded(figures.get(c)) for c in columns}}
                                      for key, figures in per_partition.items()], strict=False, infer_schema_length=None))
 
 
@@ -226,12 +238,18 @@ def observe_partitions(context: dg.AssetExecutionContext, written: Written) -> N
         context.log_event(dg.AssetObservation(asset_key=context.asset_key, partition=key, metadata=metadata))
 
 
+@dataclass
+class Finished:
+    """What a stage hands its asset (stage_asset): the materialization's metadata and its checks."""
+
+    materialization: dg.MaterializeResult
+    outcomes: list[checks.Outcome]
+    written: Written
+
+
 def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None,
-           check_results: list[dg.AssetCheckResult] | None = None,
-           context: dg.AssetExecutionContext | None = None) -> dg.MaterializeResult:
+           check_results: list[checks.Outcome] | None = None) -> Finished:
     store.refresh()
-    if context is not None:
-        observe_partitions(context, written)
     # one partition: its file; several: the table folder they live under
     where = written.paths[0] if len(written.per_partition) == 1 else written.paths[0].rsplit("/", 3)[0]
     metadata: dict[str, object] = {
@@ -240,7 +258,7 @@ def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str,
         "partitions_written": len(written.per_partition),
         "parquet_path": dg.MetadataValue.path(where),
         "dagster/row_count": sum(written.rows.values()),
-        "partitions": partition_table(written.per_partition),
+        "partitions_of_this_run": partition_table(written.per_partition),
         # the DuckDB views of the stage's tables (updatelens sql, the catalog file) and the main one's columns
         "dagster/table_name": next(iter(written.rows)),
         "duckdb_views": ", ".join(written.rows),
@@ -253,4 +271,4 @@ def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str,
             if isinstance(value, (int, float)) and not key.startswith("rows_"):
                 metadata[key] = value
     metadata.update(extra or {})
-    return dg.MaterializeResult(metadata=metadata, check_results=check_results or [])
+    return Finished(dg.MaterializeResult(metadata=metadata), check_results or [], written)

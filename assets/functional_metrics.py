@@ -12,7 +12,7 @@ its partitions (row groups in sequence order) and only the per-token KL stays in
 import dagster as dg
 
 from updatelens.assets import checks
-from updatelens.assets.common import Written, check_upstream, each_model, finish, stage_asset
+from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.analysis import (
     FunctionalRows,
@@ -31,7 +31,7 @@ from updatelens.tables import Provenance
 
 
 @stage_asset
-def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
+def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
     cfg = lens.config()
     store = lens.store
     written = Written()
@@ -88,5 +88,5 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
             verdict = checks.check_functional(stored_fm, stored_fs, lens.checks)
             verdict.merge(verdicts[f"{model}:{layer:02d}"])
             verdicts[f"{model}:{layer:02d}"] = verdict
-    return finish(store, cfg, written, context=context, check_results=[
+    return finish(store, cfg, written, check_results=[
         checks.result("functional_metrics", "functional_valid", verdicts, lens.checks)])

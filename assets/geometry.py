@@ -8,14 +8,14 @@ import dagster as dg
 import pyarrow.compute as pc
 
 from updatelens.assets import checks
-from updatelens.assets.common import Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
+from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.analysis import LayerGeometry, sample_docs
 from updatelens.tables import Provenance
 
 
 @stage_asset
-def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
+def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
     cfg = lens.config()
     store = lens.store
     written = Written()
@@ -42,5 +42,5 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.
             written.add(store.partition("geometry_bootstrap", model, layer), geo.bootstrap_table(prov, layer))
             n_kept = int(pc.sum(store.partition("activations", model, layer).read(["kept"])["kept"]).as_py())
             verdicts[f"{model}:{layer:02d}"] = checks.check_geometry(target.read(), stored_spec, n_kept, cfg.classes)
-    return finish(store, cfg, written, context=context, check_results=[
+    return finish(store, cfg, written, check_results=[
         checks.result("geometry", "geometry_ranges", verdicts, lens.checks)])

@@ -7,7 +7,7 @@ import dagster as dg
 import numpy as np
 
 from updatelens.assets import checks
-from updatelens.assets.common import Written, check_upstream, each_model, finish, stage_asset
+from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.analysis import fit_row_parts, layer_neighbours, transition_from_parts
 from updatelens.fits import fit_layer
@@ -15,7 +15,7 @@ from updatelens.tables import Provenance
 
 
 @stage_asset
-def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
+def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
     cfg = lens.config()
     store = lens.store
     written = Written()
@@ -45,6 +45,6 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> d
             audits[f"{model}:{layer:02d}"] = checks.refit_audit(target.parts(["fn_class", "neighbours", "tx"]),
                                                                 data.x, data.y, cfg, lens.checks)
             context.log.info(f"{model} layer {layer}: fitted {', '.join(cfg.classes)}")
-    return finish(store, cfg, written, context=context, check_results=[
+    return finish(store, cfg, written, check_results=[
         checks.result("local_fits", "fits_valid", verdicts, lens.checks),
         checks.result("local_fits", "fits_refit_audit", audits, lens.checks)])

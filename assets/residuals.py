@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from updatelens.assets import checks
-from updatelens.assets.common import Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
+from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.storage.integrity import partition_error
 from updatelens.storage.store import Partition
@@ -18,7 +18,7 @@ SCALARS = ["fn_class", "seq", "pos", "rel_err", "norm_full", "norm_tok", "norm_r
 
 
 @stage_asset
-def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
+def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
     cfg = lens.config()
     store = lens.store
     written = Written()
@@ -52,7 +52,7 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg
             for fn_class in cfg.classes:
                 part = stored.filter(pc.equal(stored["fn_class"], fn_class))
                 written.note(model, layer, **{f"rel_err_median_{fn_class}": float(np.median(part["rel_err"].to_numpy()))})
-    return finish(store, cfg, written, context=context, check_results=[
+    return finish(store, cfg, written, check_results=[
         checks.result("residuals", "residuals_match_fits", recon, lens.checks),
         checks.result("residuals", "rel_err_within_bounds", bounds, lens.checks),
         checks.result("residuals", "rel_err_drift", drift, lens.checks),

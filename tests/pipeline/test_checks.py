@@ -83,6 +83,9 @@ def assert_blocked(result, instance, check: str, message: str, downstream: str, 
     assert not evaluation.passed
     assert message in evaluation.description, evaluation.description
     assert "worst_offenders" in evaluation.metadata or "failures" in evaluation.metadata
+    # the partition's own evaluation names it
+    own = [e for e in result.get_asset_check_evaluations() if e.check_name == check and e.partition]
+    assert [(e.partition, e.passed) for e in own] == [(f"{MODEL}:01", False)]
     assert not materialized(instance, downstream)
     assert not partition_file(root, downstream, MODEL, 1).exists()
 

@@ -157,7 +157,7 @@ def test_materializations_name_their_views_and_carry_column_schemas_and_a_partit
     # every column described, from the declared schema
     assert all(c.description for c in columns.values()), [n for n, c in columns.items() if not c.description]
     assert columns["angle_full_res"].description == "angle(Δ_full, r) in degrees"
-    partitions = meta["partitions"]
+    partitions = meta["partitions_of_this_run"]
     assert isinstance(partitions, dg.TableMetadataValue)
     assert [r.data["partition"] for r in partitions.records] == [f"tiny-mamba:{layer:02d}" for layer in range(N_LAYERS)]
     tokens = instance.get_latest_materialization_event(dg.AssetKey("activations")).asset_materialization.metadata
@@ -167,6 +167,14 @@ def test_materializations_name_their_views_and_carry_column_schemas_and_a_partit
     mine = [r.asset_observation for r in seen if r.asset_observation.partition == "tiny-mamba:01"]
     assert mine and mine[-1].metadata["rows_residuals"].value == len(CLASSES) * N_SEQ * (SEQ_LEN - 1)
     assert isinstance(mine[-1].metadata["rel_err_median_lowrank"].value, float)
+    # each check evaluated on each partition, after the partition's materialization
+    key = dg.AssetCheckKey(dg.AssetKey("residuals"), "residuals_match_fits")
+    history = instance.event_log_storage.get_asset_check_execution_history(key, limit=100)
+    assert {r.partition for r in history} >= {f"tiny-mamba:{layer:02d}" for layer in range(N_LAYERS)}
+    materialized = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("residuals"),
+                                                                         asset_partitions=["tiny-mamba:01"]), limit=1)
+    evaluated = next(r for r in history if r.partition == "tiny-mamba:01").event
+    assert evaluated.timestamp >= materialized.records[0].timestamp
 
 
 def test_every_column_of_every_table_view_has_its_description_in_duckdb(run) -> None:
