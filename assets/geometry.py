@@ -7,10 +7,10 @@ per-token geometry block by block; memory holds a block whatever the sample size
 import dagster as dg
 import pyarrow.compute as pc
 
+from updatelens.analysis import LayerGeometry, sample_docs
 from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.analysis import LayerGeometry, sample_docs
 from updatelens.tables import Provenance
 
 
@@ -36,7 +36,8 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
             target = store.partition("geometry", model, layer)
             with target.writer() as sink:
                 for lo, hi in blocks:
-                    sink.write(geo.token_table(*read_block(store, model, layer, lo, hi), prov))
+                    data, fits = read_block(store, model, layer, lo, hi)
+                    sink.write(geo.token_table(data, fits, prov))
             written.record(target, sink.rows)
             stored_spec = written.add(store.partition("spectra", model, layer), geo.spectra_table(prov, layer))
             written.add(store.partition("geometry_bootstrap", model, layer), geo.bootstrap_table(prov, layer))

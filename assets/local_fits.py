@@ -6,10 +6,10 @@ the partition is written class by class in row groups."""
 import dagster as dg
 import numpy as np
 
+from updatelens.analysis import fit_row_parts, layer_neighbours, transition_from_parts
 from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.analysis import fit_row_parts, layer_neighbours, transition_from_parts
 from updatelens.fits import fit_layer
 from updatelens.tables import Provenance
 

@@ -7,16 +7,18 @@ its config id (`<data root>/sweeps/config=<id>/...`), which the `sensitivity` vi
 
 import base64
 import json
+from typing import Any
 
 import dagster as dg
 import polars as pl
 
+from updatelens import CODE_VERSION
 from updatelens.assets.common import md_table
 from updatelens.assets.functional_metrics import functional_metrics
 from updatelens.assets.geometry import geometry
 from updatelens.assets.partitions import MODELS
-from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.assets.resources import UpdateLensResource
+from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.reports.build import (
     COMPARISON_FIGURES,
     MODEL_FIGURES,
@@ -28,7 +30,6 @@ from updatelens.stages import SWEEP_TABLES
 from updatelens.storage.layout import clear_sweeps, sweep_root, write_sweep_run
 from updatelens.storage.location import url
 from updatelens.storage.store import Store
-from updatelens import CODE_VERSION
 from updatelens.sweep import (
     DEFAULT_GRID,
     parse_grid,
@@ -48,9 +49,9 @@ def _md_table(frame: pl.DataFrame) -> str:
     return md_table(frame.columns, frame.iter_rows())
 
 
-def _report_metadata(report: Report, captions: dict[str, str]) -> dict[str, object]:
+def _report_metadata(report: Report, captions: dict[str, str]) -> dict[str, Any]:
     """The report's path, its findings, and each figure inlined as markdown (shown in the UI)."""
-    metadata: dict[str, object] = {
+    metadata: dict[str, Any] = {
         "report": dg.MetadataValue.path(str(report.index)),
         "findings": dg.MetadataValue.md(_md_table(report.findings.select(
             [c for c in ("model", "finding", "fn_class", "value", "threshold", "holds") if c in report.findings.columns]))),
@@ -152,9 +153,9 @@ def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource
         for run in runs:
             write_sweep_run(store.root, model, run.config.config_id, run_record(model, run, base, layers))
     store.refresh()
-    sensitivity = store.query(f"SELECT finding, convention, setting, round(value, 3) AS value, verdict, "
-                              f"round(delta_ci_lo, 3) AS delta_lo, round(delta_ci_hi, 3) AS delta_hi, flips "
-                              f"FROM sensitivity WHERE model = $1", [model])
+    sensitivity = store.query("SELECT finding, convention, setting, round(value, 3) AS value, verdict, "
+                              "round(delta_ci_lo, 3) AS delta_lo, round(delta_ci_hi, 3) AS delta_hi, flips "
+                              "FROM sensitivity WHERE model = $1", [model])
     return dg.MaterializeResult(metadata={
         "configs": len(runs),
         "layers": ", ".join(map(str, layers)),

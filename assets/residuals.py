@@ -6,12 +6,12 @@ import dagster as dg
 import numpy as np
 import pyarrow.compute as pc
 
+from updatelens.analysis import residuals_table
 from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.storage.integrity import partition_error
 from updatelens.storage.store import Partition
-from updatelens.analysis import residuals_table
 from updatelens.tables import Provenance
 
 SCALARS = ["fn_class", "seq", "pos", "rel_err", "norm_full", "norm_tok", "norm_res"]

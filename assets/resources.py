@@ -7,7 +7,6 @@ source of truth for names and defaults); the launchpad shows them under `resourc
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +16,12 @@ import torch
 from upath import UPath
 
 from updatelens.assets.checks import CheckSettings
-from updatelens.storage.location import as_root, default_data_root
-from updatelens.storage.store import Store
 from updatelens.config import AnalysisConfig, json_object_env
 from updatelens.corpus import Sample, make_sample
 from updatelens.models import LoadedModel, load_model, window_bos
 from updatelens.registry import get_corpus, get_model, registry_path
+from updatelens.storage.location import as_root, default_data_root
+from updatelens.storage.store import Store
 
 
 def _settings_fields() -> dict[str, Any]:
@@ -37,7 +36,7 @@ def _settings_fields() -> dict[str, Any]:
     return fields
 
 
-AnalysisSettings = pydantic.create_model(  # type: ignore[call-overload]
+AnalysisSettings = pydantic.create_model(
     "AnalysisSettings",
     __base__=dg.Config,
     __doc__="Every knob of the method (docs/method.md) (see updatelens.config.AnalysisConfig); recorded with results.",

@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="scale: the pipeline's peak memory and time against the sample size; knn: "
                                 "approximate k-NN against exact search and faiss's indexes at research scale; "
                                 "study: the study preset (hours on a CPU), its time, memory and step times; floor: the "
-                                "least time the forward passes of the study and of the default job take on this device (a minute)")
+                                "least time the forward passes of the study and of the default job take on this device "
+                                "(a minute)")
     parser.add_argument("--scale-tokens", dest="scale_tokens", default="2048,8192,32768,131072",
                         help="sample sizes of the scale bench (one layer, the study preset's settings)")
     parser.add_argument("--scale-layer", dest="scale_layer", type=int, default=15,

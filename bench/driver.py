@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from updatelens.orchestration.output import print_frame
 
@@ -85,7 +85,7 @@ def forward_floors(model: str, layers: list[int] | None, device: str, registry: 
     return records
 
 
-def study_record(home: Path, summary: dict[str, object], n_tokens: int, device: str, out: Path,
+def study_record(home: Path, summary: dict[str, Any], n_tokens: int, device: str, out: Path,
                  registry: Path | None = None) -> str:
     """The study's records (bench_study.json) and step times (study.json) under `out`, from a finished
     `updatelens run --preset study`: its Dagster home and its --summary-json figures, with the
@@ -94,10 +94,10 @@ def study_record(home: Path, summary: dict[str, object], n_tokens: int, device: 
     from bench import measures as bench
 
     steps = _step_times(home)
-    layers = [int(x) for x in summary["layers"]]  # type: ignore[union-attr]
+    layers = [int(x) for x in summary["layers"]]
     floor = forward_floors(str(summary["model"]), layers, device, registry)
     records = floor + bench.study_records(
-        float(summary["pipeline_s"]), float(summary["peak_rss_gib"]),  # type: ignore[arg-type]
+        float(summary["pipeline_s"]), float(summary["peak_rss_gib"]),
         [bench.StepTime(str(s["partitions"]), str(s["step"]), float(s["seconds"]))  # type: ignore[arg-type]
          for s in steps], n_tokens, layers, device,
         forward_floor_s=next(r.value for r in floor if r.name == "study_forward_floor_s"))
@@ -148,8 +148,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from updatelens.storage.location import default_data_root
-    from updatelens.storage.location import is_url
     from bench import measures as bench
     from updatelens.capture import capture, kept_mask
     from updatelens.config import AnalysisConfig
@@ -157,6 +155,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from updatelens.errors import ConfigError
     from updatelens.models import load_model
     from updatelens.registry import get_corpus, get_model
+    from updatelens.storage.location import default_data_root, is_url
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if is_url(args.data_root or default_data_root()):
@@ -258,12 +257,12 @@ def _bench_scale(args: argparse.Namespace, root: Path) -> int:
     study of that layer (SQL view `convergence` over the bench's data root)."""
     import tempfile
 
-    from updatelens.storage.layout import convergence_root
     from bench import measures as bench
     from updatelens.config import PRESETS
+    from updatelens.storage.layout import convergence_root
 
     sizes = sorted({int(t) for t in args.scale_tokens.split(",")})
-    study = PRESETS["study"]
+    study: dict[str, Any] = PRESETS["study"]
     settings = tuple(f"{key}={json.dumps(value)}" for key, value in study.items() if key != "n_seq")
     points = []
     for tokens in sizes:

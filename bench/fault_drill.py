@@ -34,7 +34,9 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from updatelens.stages import STAGES, TABLES
@@ -66,11 +68,11 @@ class Drill:
     def __init__(self, root: Path, model: str, layers: list[int], target: int, extra: list[str]) -> None:
         self.root, self.model, self.layers, self.target, self.extra = root, model, layers, target, extra
         self.home = root.parent / (root.name + "-drill-dagster-home")
-        self.baseline: dict[tuple[str, int], object] = {}
+        self.baseline: dict[tuple[str, int], pa.Table] = {}
         self.other_rows: dict[str, int] = {}
 
     # ---- the product's commands ----------------------------------------------------------------
-    def cli(self, *args: str, fault: tuple[str, str] | None = None, background: bool = False):  # noqa: ANN201
+    def cli(self, *args: str, fault: tuple[str, str] | None = None, background: bool = False):
         """The CLI in a subprocess; `fault` (fault, table): under bench.faults, killed there."""
         full_env = dict(os.environ, DAGSTER_HOME=str(self.home), HF_HUB_OFFLINE="1", UPDATELENS_PROGRESS="off")
         entry = ["bench.faults", *fault, "--"] if fault else ["updatelens.orchestration.cli"]
@@ -81,7 +83,7 @@ class Drill:
         out, _ = proc.communicate()
         return proc.returncode, out
 
-    def run(self, *extra: str, background: bool = False):  # noqa: ANN201
+    def run(self, *extra: str, background: bool = False):
         span = f"{self.layers[0]}-{self.layers[-1]}"
         return self.cli("run", "--model", self.model, "--layers", span, *self.extra, *extra,
                         background=background)
@@ -113,7 +115,7 @@ class Drill:
         differ = []
         for (table, layer), before in self.baseline.items():
             path = self.file(table, layer)
-            if not path.exists() or not pq.read_table(path).equals(before):  # type: ignore[arg-type]
+            if not path.exists() or not pq.read_table(path).equals(before):
                 differ.append(f"{table} layer {layer}")
         return not differ, differ
 
@@ -383,14 +385,14 @@ def main() -> int:
     drill = Drill(args.data_root.resolve(), args.model, layers, args.target, extra)
     only = set((args.only or "overhead,inputs,files,kills,placement,disk,concurrent").split(","))
     drill.snapshot()
-    record: dict[str, object] = {"model": args.model, "layers": layers, "target": args.target}
+    record: dict[str, Any] = {"model": args.model, "layers": layers, "target": args.target}
     if "overhead" in only:
         record["verify_overhead"] = verify_overhead(drill.root, args.pipeline_s)
         print(f"verify_root over the whole root: {record['verify_overhead']}", flush=True)
         args.out.write_text(json.dumps(record, indent=1))
     if "inputs" in only:
         record["bad_inputs"] = bad_inputs(drill)
-        for item in record["bad_inputs"]:  # type: ignore[union-attr]
+        for item in record["bad_inputs"]:
             print(f"bad input {item['input']!r}: exit {item['exit']}, created {item['created']}: {item['message']}")
     outcomes: list[Outcome] = []
 

@@ -38,7 +38,7 @@ def install(fault: str, table: str) -> None:
             write(self, rows.slice(0, max(1, len(rows) // 2)), row_group_rows)
             _kill()
 
-        setattr(layout.ParquetSink, "write", write_then_kill)
+        layout.ParquetSink.write = write_then_kill
     elif fault == "before_manifest":
         write_manifest = layout.write_manifest
 
@@ -47,7 +47,7 @@ def install(fault: str, table: str) -> None:
                 _kill()
             return write_manifest(path, table_name, *args, **kwargs)
 
-        setattr(layout, "write_manifest", kill_before)
+        layout.write_manifest = kill_before
     elif fault == "mid_replace":
         keep_damaged = layout._keep_damaged
 
@@ -56,7 +56,7 @@ def install(fault: str, table: str) -> None:
                 _kill()
             keep_damaged(root, old, final, damaged)
 
-        setattr(layout, "_keep_damaged", kill_after_swap)
+        layout._keep_damaged = kill_after_swap
     else:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
 

@@ -29,7 +29,7 @@ from updatelens.registry import get_corpus, get_model
 from updatelens.single_position import all_single_position_kl
 
 
-def median_time(run, repeats: int = 3) -> float:  # noqa: ANN001
+def median_time(run, repeats: int = 3) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -54,9 +54,9 @@ def main(out: Path) -> None:
         for i in range(4):  # residual-sized perturbations, like the patch and its controls
             noise = rng.standard_normal(y.shape).astype(np.float32)
             variants.append(Variant(f"v{i}", "-", y + 0.3 * update * noise / np.linalg.norm(noise, axis=-1, keepdims=True)))
-        every = median_time(lambda: patched_kl(lm, sample.input_ids, layer, variants, orig, cfg.patch_batch))
-        exact = median_time(lambda: all_single_position_kl(lm, sample.input_ids, layer, variants, y, orig,
-                                                           cfg.patch_batch * 2))
+        every = median_time(lambda at=layer, vs=variants: patched_kl(lm, sample.input_ids, at, vs, orig, cfg.patch_batch))
+        exact = median_time(lambda at=layer, vs=variants, out=y: all_single_position_kl(lm, sample.input_ids, at, vs, out,
+                                                                                         orig, cfg.patch_batch * 2))
         record["layers"][str(layer)] = {"patch_all_s": round(every, 3), "exact_single_s": round(exact, 3),  # type: ignore[index]
                                         "ratio": round(exact / every, 3), "target": "<= 1.5"}
         print(f"layer {layer}: patch-all {every:.2f} s, exact single-position {exact:.2f} s, ratio {exact / every:.2f}",

@@ -83,7 +83,8 @@ def main() -> int:
         try:
             got = DeltaTable(delta).to_pyarrow_table(filters=[("layer", "=", 7)])
             same = got.select(["rel_err"]).equals(tables[7].select(["rel_err"]))
-            record["deltalake after a bit flip"] = f"read {len(got)} rows without an error; rel_err {'equal' if same else 'differs'}"
+            outcome = "equal" if same else "differs"
+            record["deltalake after a bit flip"] = f"read {len(got)} rows without an error; rel_err {outcome}"
         except (OSError, pa.ArrowException, Exception) as exc:  # noqa: BLE001 - what the reader says is the record
             record["deltalake after a bit flip"] = f"read failed: {type(exc).__name__}: {str(exc)[:200]}"
     finally:

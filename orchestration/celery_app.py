@@ -16,13 +16,13 @@ from dagster_celery.make_app import make_app
 from dagster_celery.tasks import create_execute_job_task, create_resume_job_task, create_task
 from kombu import Exchange, Queue
 
-from updatelens.orchestration.deployments import celery_config
 from updatelens.assets.routing import CPU_QUEUE, GPU_QUEUE
+from updatelens.orchestration.deployments import celery_config
 
 QUEUES = (GPU_QUEUE, CPU_QUEUE, "dagster")
 
 
-def make_worker_app():  # noqa: ANN201 - a celery.Celery
+def make_worker_app():
     config = celery_config()
     app = make_app(CeleryExecutor.for_cli(broker=config["broker"], backend=config["backend"],
                                           include=config["include"], config_source=config["config_source"]).app_args())

@@ -89,6 +89,8 @@ def _settings(args: argparse.Namespace) -> dict[str, object]:
 def cmd_run(args: argparse.Namespace) -> int:
     import dagster as dg
 
+    from updatelens.config import preset_layers
+    from updatelens.errors import UpdateLensError
     from updatelens.orchestration.deployments import PROFILE_ENV, active_profile
     from updatelens.orchestration.runner import (
         check_inputs,
@@ -100,8 +102,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         project_dagster_home,
         stale_layers,
     )
-    from updatelens.config import preset_layers
-    from updatelens.errors import UpdateLensError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if sys.stderr.isatty():  # progress bars on this terminal (Dagster captures the steps' stderr)
@@ -255,13 +255,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """A convention sweep for one model; then its report (with the sensitivity table)."""
     import dagster as dg
 
+    from updatelens.errors import UpdateLensError
     from updatelens.orchestration.runner import (
         check_inputs,
         failure_message,
         materialize_sweep,
         project_dagster_home,
     )
-    from updatelens.errors import UpdateLensError
     from updatelens.sweep import DEFAULT_GRID, parse_grid, sweep_baseline, sweep_runs
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -300,10 +300,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_converge(args: argparse.Namespace) -> int:
     """Nested samples of one model (the first n windows, for growing n), each analysed in full;
     the `convergence` view shows every finding at every size with its interval."""
-    import dagster as dg
 
-    from updatelens.orchestration.convergence import convergence_table, plan_convergence, run_convergence
     from updatelens.errors import UpdateLensError
+    from updatelens.orchestration.convergence import convergence_table, plan_convergence, run_convergence
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -361,11 +360,11 @@ def cmd_sql(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Every stored partition file checked against its manifest; damaged ones listed and, with --repair,
     moved to <root>/_quarantine/ (the next `updatelens run` recomputes them); incomplete layers listed."""
+    from updatelens.stages import TABLES
     from updatelens.storage import catalog
     from updatelens.storage.integrity import incomplete_layers, quarantine
     from updatelens.storage.location import default_data_root
     from updatelens.storage.store import Store
-    from updatelens.stages import TABLES
 
     root = args.data_root or default_data_root()
     damaged = catalog.verify_root(root, full=True).damaged  # every checksum recomputed

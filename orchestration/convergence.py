@@ -12,6 +12,8 @@ import polars as pl
 
 from updatelens.assets.common import frame_table
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.config import preset_layers, preset_settings
+from updatelens.errors import ConfigError
 from updatelens.orchestration.runner import (
     check_inputs,
     contiguous_ranges,
@@ -20,11 +22,9 @@ from updatelens.orchestration.runner import (
     root_instance,
     stale_layers,
 )
+from updatelens.preflight import Preflight, check_data_root, estimate_bytes
 from updatelens.storage.layout import convergence_root
 from updatelens.storage.location import url
-from updatelens.config import preset_layers, preset_settings
-from updatelens.errors import ConfigError
-from updatelens.preflight import Preflight, check_data_root, estimate_bytes
 
 DEFAULT_TOKENS = (2048, 8192, 32768, 131072)
 

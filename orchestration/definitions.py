@@ -5,9 +5,9 @@ from __future__ import annotations
 import dagster as dg
 
 from updatelens.assets.pipeline import ASSETS, PER_MODEL_ASSETS
+from updatelens.assets.resources import UpdateLensResource, default_settings
 from updatelens.orchestration.deployments import Profile, active_profile, executor_for
 from updatelens.orchestration.jobs import JOBS
-from updatelens.assets.resources import UpdateLensResource, default_settings
 from updatelens.orchestration.schedules import stale_partitions_schedule
 from updatelens.orchestration.sensors import model_registry_sensor, reports_after_analysis, stage_automation_sensor
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-
 from updatelens.errors import ConfigError
 
 PROFILE_ENV = "UPDATELENS_PROFILE"

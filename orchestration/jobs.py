@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dagster as dg
 
-from updatelens.orchestration.convergence import converge_job
 from updatelens.assets.partitions import MODEL_LAYER, MODELS
+from updatelens.orchestration.convergence import converge_job
 from updatelens.stages import STAGE_NAMES
-
 
 # Everything for the selected (model, layer) partitions: select a model's key range to run it whole.
 analyse_job = dg.define_asset_job(

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from updatelens.assets.partitions import model_keys
-from updatelens.storage.integrity import partition_error
-from updatelens.stages import TABLES
-from updatelens.storage.layout import PART_FILE, partition_dir, partition_file, read_file
 from updatelens.registry import ModelEntry, load_models
-from updatelens.stages import LAST_TABLE
+from updatelens.stages import LAST_TABLE, TABLES
+from updatelens.storage.integrity import partition_error
+from updatelens.storage.layout import PART_FILE, partition_dir, partition_file, read_file
 
 
 def fingerprint(entry: ModelEntry) -> str:

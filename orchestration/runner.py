@@ -14,9 +14,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from updatelens.assets.reports import comparison_report, convention_sweep, report
-from updatelens.assets.pipeline import ASSETS
-from updatelens.orchestration.deployments import active_profile
+from updatelens import CODE_VERSION
 from updatelens.assets.partitions import (
     MODEL_LAYER,
     MODELS,
@@ -24,14 +22,16 @@ from updatelens.assets.partitions import (
     parse_key,
     range_tags,
 )
-from updatelens.orchestration.registry_watch import stale_keys
+from updatelens.assets.pipeline import ASSETS
+from updatelens.assets.reports import comparison_report, convention_sweep, report
 from updatelens.assets.resources import UpdateLensResource
-from updatelens import CODE_VERSION
 from updatelens.errors import ConfigError
+from updatelens.orchestration.deployments import active_profile
+from updatelens.orchestration.registry_watch import stale_keys
 from updatelens.preflight import Preflight, preflight
+from updatelens.registry import get_corpus, get_model
 from updatelens.storage.layout import DAGSTER_DIR
 from updatelens.storage.location import default_data_root, is_url
-from updatelens.registry import get_corpus, get_model
 
 
 def dagster_yaml(model_pool_limit: int | None = None) -> str:
@@ -186,9 +186,10 @@ def lens_run_config(lens: UpdateLensResource, log_level: str = "INFO") -> dict[s
 
 
 def check_verdicts(result: dg.ExecutionResult) -> list[tuple[str, bool, str]]:
-    """(asset.check, passed, description) of every check a run evaluated."""
+    """(asset.check, passed, description) of every check a run evaluated, over the run's partitions
+    (each partition's own evaluation is in the event log and the UI)."""
     return [(f"{e.asset_key.to_user_string()}.{e.check_name}", e.passed, e.description or "")
-            for e in result.get_asset_check_evaluations()]
+            for e in result.get_asset_check_evaluations() if e.partition is None]
 
 
 def failure_message(result: dg.ExecutionResult) -> str:

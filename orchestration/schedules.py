@@ -7,9 +7,9 @@ from pathlib import Path
 
 import dagster as dg
 
-from updatelens.orchestration.jobs import analyse_job
 from updatelens.assets.partitions import MODEL_LAYER, parse_key
 from updatelens.assets.resources import UpdateLensResource
+from updatelens.orchestration.jobs import analyse_job
 from updatelens.orchestration.sensors import stale_run_requests
 from updatelens.registry import load_models
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import dagster as dg
-from updatelens.orchestration.deployments import active_profile
-from updatelens.orchestration.jobs import analyse_job, comparison_job, report_job
+
+from updatelens import CODE_VERSION
 from updatelens.assets.partitions import (
     MODEL_LAYER,
     MODELS,
@@ -16,11 +16,12 @@ from updatelens.assets.partitions import (
     range_tags,
     tagged_key_span,
 )
-from updatelens.orchestration.registry_watch import fingerprint, registry_changes, stale_keys
 from updatelens.assets.resources import UpdateLensResource
-from updatelens import CODE_VERSION
 from updatelens.errors import UpdateLensError
 from updatelens.models import read_depth
+from updatelens.orchestration.deployments import active_profile
+from updatelens.orchestration.jobs import analyse_job, comparison_job, report_job
+from updatelens.orchestration.registry_watch import fingerprint, registry_changes, stale_keys
 from updatelens.stages import STAGE_NAMES
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,13 +21,13 @@ import polars as pl
 from matplotlib.figure import Figure
 from upath import UPath
 
+from updatelens.errors import UpdateLensError
 from updatelens.reports import figures as fig
+from updatelens.stages import TABLES
 from updatelens.storage import catalog
 from updatelens.storage.integrity import incomplete_layers
-from updatelens.stages import TABLES
 from updatelens.storage.layout import publish_dir
 from updatelens.storage.location import as_root
-from updatelens.errors import UpdateLensError
 
 REPORTS = "reports"
 COMPARISON = "_comparison"  # not a valid model slug, so it never collides with one
@@ -98,8 +99,8 @@ def reports_root(root: str | Path) -> UPath:
     return as_root(root) / REPORTS
 
 
-def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: list[object] | None = None) -> pl.DataFrame:
-    return con.execute(sql, params or []).pl()
+def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[object] | None = None) -> pl.DataFrame:
+    return con.execute(sql, list(params or [])).pl()
 
 
 def _views(con: duckdb.DuckDBPyConnection) -> set[str]:
@@ -280,7 +281,8 @@ def build_model_report(root: Path, model: str) -> Report:
                 "corpus slice": [prov["corpus_slice"]], "config id": [config_id], "code version": [prov["code_version"]],
                 "layers": [f"{len(layers)} of {n_layers}"]})),
             "".join(f"<p><i>{html.escape(n)}</i></p>" for n in notes),
-            "<h2>Findings</h2><p>Each of the paper's findings (docs/method.md in the repository) measured on this model, on the class with "
+            "<h2>Findings</h2><p>Each of the paper's findings (docs/method.md in the repository) measured on this "
+            "model, on the class with "
             "the lowest median relative error, with the threshold that decides whether it holds, its 95% bootstrap "
             "interval (<code>ci_lo</code>, <code>ci_hi</code>), and its null: what the same measure gives where "
             "the claimed structure is absent (<code>null_source</code>), with its own interval. The verdict: "

@@ -36,7 +36,7 @@ def _colour(fn_class: str) -> str:
     return CLASS_COLOURS.get(fn_class, "tab:gray")
 
 
-def band(ax: Axes, bands: pl.DataFrame, statistic: str, colour: str) -> None:
+def band(ax: Axes, bands: pl.DataFrame, statistic: str, colour: object) -> None:
     """Shade the 95% band of a per-layer statistic (`layer_bands` columns `<statistic>_lo/_hi`, rows
     of one class); nothing where the statistic has no resamples."""
     lo, hi = f"{statistic}_lo", f"{statistic}_hi"
@@ -114,7 +114,7 @@ def angle_histograms(angles: pl.DataFrame, layers: list[int], title: str) -> Fig
     for ax, part in panels:
         for fn_class in part["fn_class"].unique(maintain_order=True).to_list():
             values = part.filter(pl.col("fn_class") == fn_class)["angle_full_res"].to_numpy()
-            ax.hist(values, bins=bins, histtype="step", lw=1.5, color=_colour(fn_class),
+            ax.hist(values, bins=list(bins), histtype="step", lw=1.5, color=_colour(fn_class),
                     label=f"{fn_class} ({np.mean(values > 60):.0%} > 60°)")
         ax.axvline(60, color="k", ls="--", lw=0.8)
         ax.set_xlabel("angle(Δ_full, r), degrees")

@@ -32,7 +32,7 @@ def _():
 @app.cell
 def _(mo, models):
     model = mo.ui.dropdown(models, value=models[0], label="model")
-    model
+    model  # noqa: B018 - a cell's last expression is what marimo shows
     return (model,)
 
 

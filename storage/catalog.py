@@ -16,6 +16,7 @@ is then not written (its views would only open where that filesystem is register
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 
@@ -34,9 +35,18 @@ if TYPE_CHECKING:
 from updatelens import CODE_VERSION, schemas
 from updatelens.bootstrap import GEOMETRY_STATISTICS
 from updatelens.findings import FINDINGS, STATISTICS, Finding
-from updatelens.storage.integrity import QUARANTINE, Damaged, scan
 from updatelens.stages import SWEEP_TABLES, TABLES
-from updatelens.storage.layout import CONVERGENCE, DAGSTER_DIR, LOCKS, STAGING, SWEEPS, has_sweep_runs, partition_file, sweep_runs_glob
+from updatelens.storage.integrity import QUARANTINE, Damaged, scan
+from updatelens.storage.layout import (
+    CONVERGENCE,
+    DAGSTER_DIR,
+    LOCKS,
+    STAGING,
+    SWEEPS,
+    has_sweep_runs,
+    partition_file,
+    sweep_runs_glob,
+)
 from updatelens.storage.location import as_root, is_local, url
 
 CATALOG_FILE = "updatelens.duckdb"
@@ -447,10 +457,17 @@ DERIVED_TABLES = ("finding_replicates",)
 FAMILY_PREFIXES = ("", "sweep_", "conv_")
 
 
+def _one(con: duckdb.DuckDBPyConnection, sql: str, params: list[object] | None = None) -> tuple[Any, ...]:
+    """The single row of an aggregate query."""
+    row = con.execute(sql, params or []).fetchone()
+    assert row is not None, sql
+    return row
+
+
 def _drop(con: duckdb.DuckDBPyConnection, name: str) -> None:
     """Drop the view or table `name` if there is one (a catalog of an older version may hold as a
     view what is now a table)."""
-    if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ?", [name]).fetchone()[0]:
+    if _one(con, "SELECT count(*) FROM duckdb_tables() WHERE table_name = ?", [name])[0]:
         con.execute(f"DROP TABLE {name}")
     con.execute(f"DROP VIEW IF EXISTS {name}")
 
@@ -507,7 +524,8 @@ def _family_views(con: duckdb.DuckDBPyConnection, good: dict[str, list[str]], ta
     present = set()
     for table in tables:
         if table in good and _create_view(con, f"{prefix}{table}", good[table],
-                                          lambda files, name=f"{prefix}{table}": _parquet_view(name, files, hive, select)):
+                                          functools.partial(_parquet_view, f"{prefix}{table}", hive_types=hive,
+                                                            select=select)):
             present.add(table)
         else:
             con.execute(f"DROP VIEW IF EXISTS {prefix}{table}")
@@ -583,7 +601,7 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[lis
     present = _family_views(con, verified.main, TABLES, "", MAIN_HIVE)
     if "tokens" in present:
         for table in (t for t in WITH_TEXT if t in present):
-            _create_view(con, table, verified.main[table], lambda files, name=table: _text_view(name, files, MAIN_HIVE))
+            _create_view(con, table, verified.main[table], functools.partial(_text_view, table, hive_types=MAIN_HIVE))
     swept = _family_views(con, verified.sweeps, SWEEP_TABLES, "sweep_", SWEEP_HIVE, "* EXCLUDE (config)")
     runs = [url(f) for f in sorted(root.glob(sweep_runs_glob()), key=str)] if has_sweep_runs(root) else []
     if runs:  # an explicit file list: the read-only engine opens only listed files
@@ -718,7 +736,7 @@ def _view_digest(con: duckdb.DuckDBPyConnection) -> str:
     row changed by a plain DuckDB client after the refresh changes it)."""
     views = con.execute("SELECT view_name, sql FROM duckdb_views() WHERE NOT internal ORDER BY view_name").fetchall()
     names = [row[0] for row in con.execute("SELECT table_name FROM duckdb_tables() ORDER BY table_name").fetchall()]
-    rows = [[name, *con.execute(f"SELECT count(*), bit_xor(hash(t)) FROM {name} t").fetchone()] for name in names]
+    rows = [[name, *_one(con, f"SELECT count(*), bit_xor(hash(t)) FROM {name} t")] for name in names]
     return hashlib.sha256(json.dumps([views, rows], default=str).encode()).hexdigest()
 
 
@@ -765,8 +783,8 @@ def _refreshed(root: str | Path) -> bool:
 def connect(root: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
     """A connection with the catalog's views. `read_only` on a root unchanged since the last refresh
     (`_verified_catalog`, the catalog refreshed first when it is not: `_refreshed`): the catalog file
-    itself, read-only, without verifying again; otherwise an in-memory connection whose views are made over the files verified now (never blocked by a
-    writer's file lock).
+    itself, read-only, without verifying again; otherwise an in-memory connection whose views are made
+    over the files verified now (never blocked by a writer's file lock).
     `read_only` (a local root): the engine may then open only the verified files the views read,
     and its settings are locked, so no statement can write a file, attach a database, install or
     load an extension, or lift these limits."""

@@ -22,7 +22,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -134,7 +134,7 @@ def write_manifest(file: Path, table: str, rows: int, provenance: dict[str, obje
     info = file.stat()
     entry = {"file": file.name, "table": table, "rows": rows, "bytes": info.st_size, "mtime_ns": info.st_mtime_ns,
              "sha256": sha256_of(file), **provenance,
-             "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+             "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
     target = file.parent / MANIFEST
     with open(target, "w") as handle:
         json.dump(entry, handle, indent=1)

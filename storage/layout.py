@@ -40,6 +40,8 @@ from upath import UPath
 from updatelens.storage.integrity import MANIFEST, partition_error, quarantine, write_manifest
 from updatelens.storage.location import as_root, is_local, url
 
+# a local path or an object-store one (storage.location.as_root makes either a UPath)
+PathLike = str | Path | UPath
 STAGING = "_staging"
 # beside a `<pid>-<uuid>.old` folder moved out of its place (the two-rename fallback of staged_dir):
 # where it came from, so that an abandoned one is put back when nothing replaced it
@@ -120,7 +122,7 @@ def _write_parquet(table: pa.Table, path: Path, table_name: str, partition: tupl
 
 
 @contextmanager
-def staged_dir(root: str | Path, final: str | Path) -> Iterator[Path]:
+def staged_dir(root: PathLike, final: PathLike) -> Iterator[Path]:
     """A local folder to fill; on a normal exit it becomes `final` whole: readers see the old
     directory or the new one, never a half-written file (module docstring). On an exception
     nothing under `final` changes and the folder is removed."""
@@ -133,10 +135,10 @@ def staged_dir(root: str | Path, final: str | Path) -> Iterator[Path]:
     staging = _staging_dir(root)
     staging.mkdir(parents=True)
     try:
-        yield Path(staging)
+        yield Path(str(staging))
         final.parent.mkdir(parents=True, exist_ok=True)
         if not final.exists():
-            os.rename(staging, final)
+            os.rename(str(staging), str(final))
             _fsync_dir(final.parent)
             return
         # judged where they stand: the run's staleness check has usually verified them already
@@ -147,14 +149,14 @@ def staged_dir(root: str | Path, final: str | Path) -> Iterator[Path]:
             old = root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
             (old.parent / f"{old.name}{TARGET_SUFFIX}").write_text(str(final))
             os.rename(final, old)
-            os.rename(staging, final)
+            os.rename(str(staging), str(final))
         _fsync_dir(final.parent)
         _keep_damaged(root, old, final, damaged)
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(str(old), ignore_errors=True)
         (old.parent / f"{old.name}{TARGET_SUFFIX}").unlink(missing_ok=True)
     finally:
         if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(str(staging), ignore_errors=True)
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -185,7 +187,7 @@ def _keep_damaged(root: UPath, old: UPath, final: UPath, damaged: dict[str, str]
         warnings.warn(f"replaced a damaged partition file ({reason}); kept it at {where}", stacklevel=2)
 
 
-def publish_dir(root: str | Path, final: str | Path, fill: Callable[[Path], None]) -> UPath:
+def publish_dir(root: PathLike, final: PathLike, fill: Callable[[Path], None]) -> UPath:
     """Build a directory with `fill(staging)` (a local folder), then make it `final` whole."""
     with staged_dir(root, final) as staging:
         fill(staging)
@@ -242,7 +244,7 @@ def _find(path: UPath) -> list[str]:
     return list(fs.find(path.path))
 
 
-def read_schema(path: str | Path) -> pa.Schema:
+def read_schema(path: PathLike) -> pa.Schema:
     """The Arrow schema of one Parquet file of the store (its footer only)."""
     path = as_root(path)
     if is_local(path):
@@ -251,7 +253,7 @@ def read_schema(path: str | Path) -> pa.Schema:
         return pq.read_schema(f)
 
 
-def read_file(path: str | Path, columns: list[str] | None = None) -> pa.Table:
+def read_file(path: PathLike, columns: list[str] | None = None) -> pa.Table:
     """Read one Parquet file of the store (local path or object URL), all or some of its columns."""
     path = as_root(path)
     if is_local(path):
@@ -259,7 +261,7 @@ def read_file(path: str | Path, columns: list[str] | None = None) -> pa.Table:
     return pq.read_table(path.path, columns=columns, filesystem=path.fs)
 
 
-def iter_parts(path: str | Path, columns: list[str] | None = None) -> Iterator[pa.Table]:
+def iter_parts(path: PathLike, columns: list[str] | None = None) -> Iterator[pa.Table]:
     """A stored file one row group at a time (memory: one row group)."""
     path = as_root(path)
     handle = open(path, "rb") if is_local(path) else path.fs.open(path.path, "rb")
@@ -268,7 +270,7 @@ def iter_parts(path: str | Path, columns: list[str] | None = None) -> Iterator[p
             yield pf.read_row_group(i, columns=columns)
 
 
-def read_seq_range(path: str | Path, lo: int, hi: int, columns: list[str] | None = None) -> pa.Table:
+def read_seq_range(path: PathLike, lo: int, hi: int, columns: list[str] | None = None) -> pa.Table:
     """The rows of sequences lo <= seq < hi of a stored file: only the row groups whose `seq`
     statistics overlap the range are read (the writers keep row groups in sequence order)."""
     path = as_root(path)
@@ -401,8 +403,8 @@ def _remove_dir(root: UPath, path: UPath) -> bool:
         return False
     trash = root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
     trash.parent.mkdir(parents=True, exist_ok=True)
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(str(path), str(trash))
+    shutil.rmtree(str(trash), ignore_errors=True)
     return True
 
 

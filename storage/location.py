@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pathlib
 from pathlib import Path
+from typing import Any
 
 import fsspec
 from upath import UPath
@@ -60,7 +61,8 @@ def as_root(root: str | os.PathLike[str]) -> UPath:
     except (ImportError, ValueError) as exc:
         raise ConfigError(f"data root {text}: no filesystem for {protocol}:// ({exc}); install its fsspec "
                           f"implementation (s3://: pip install 'updatelens[s3]')") from exc
-    return UPath(text, **storage_options(protocol))
+    options: dict[str, Any] = storage_options(protocol)
+    return UPath(text, **options)
 
 
 def is_local(path: str | os.PathLike[str]) -> bool:

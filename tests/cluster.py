@@ -15,8 +15,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
-
 REPO = Path(__file__).resolve().parent.parent  # workers import the project from here
 
 
@@ -26,7 +24,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _wait(ready, what: str, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:  # noqa: ANN001
+def _wait(ready, what: str, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -48,7 +46,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def _service(cmd: list[str], log: Path, what: str, ready, env: dict[str, str] | None = None,  # noqa: ANN001
+def _service(cmd: list[str], log: Path, what: str, ready, env: dict[str, str] | None = None,
              timeout: float = 60.0, cwd: Path | None = None) -> Iterator[subprocess.Popen]:
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
@@ -111,7 +109,8 @@ def celery_worker(name: str, queues: list[str], env: dict[str, str], workdir: Pa
     """A Celery worker of orchestration.celery_app on the given queues, one task at a time (solo
     pool), exactly as the deployment guide starts one."""
     log = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "celery", "-A", "updatelens.orchestration.celery_app", "worker", "-Q", ",".join(queues), "-n", f"{name}@%h",
+    cmd = [sys.executable, "-m", "celery", "-A", "updatelens.orchestration.celery_app", "worker",
+           "-Q", ",".join(queues), "-n", f"{name}@%h",
            "--pool", "solo", "--prefetch-multiplier", "1", "-l", "INFO"]
     with _service(cmd, log, f"celery worker {name}", lambda: "ready." in log.read_text(), env=env, timeout=120,
                   cwd=REPO):

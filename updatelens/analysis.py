@@ -17,10 +17,10 @@ import pyarrow.compute as pc
 
 from updatelens.bootstrap import (
     TOKEN_STATISTICS,
-    sequence_counts,
-    geometry_replicates,
     ResampledGrams,
+    geometry_replicates,
     row_weights,
+    sequence_counts,
     weighted_spearman,
 )
 from updatelens.capture import Captured, capture, kept_mask
@@ -38,7 +38,6 @@ from updatelens.geometry import (
     token_metrics,
 )
 from updatelens.models import LoadedModel
-from updatelens.single_position import all_single_position_kl, resolve_patch_mode
 from updatelens.neighbours import knn
 from updatelens.perturbation import (
     OriginalOutput,
@@ -48,6 +47,7 @@ from updatelens.perturbation import (
     single_position_kl,
     spearman,
 )
+from updatelens.single_position import all_single_position_kl, resolve_patch_mode
 from updatelens.stages import TABLES
 from updatelens.tables import Provenance, to_matrix, vector_column, with_provenance
 
@@ -176,7 +176,8 @@ class Transition:
 def transition_from_parts(parts: Iterable[pa.Table], n_kept: int) -> Transition:
     """Fill a layer's kept rows from its activations row groups (in (seq, pos) order), one row group
     in memory at a time besides the [n_kept, d] arrays themselves."""
-    x = y = None
+    x: np.ndarray | None = None
+    y: np.ndarray | None = None
     seq = np.empty(n_kept, np.int32)
     pos = np.empty(n_kept, np.int32)
     doc = np.empty(n_kept, np.int32)
@@ -195,6 +196,7 @@ def transition_from_parts(parts: Iterable[pa.Table], n_kept: int) -> Transition:
         m = len(xs)
         if filled + m > n_kept:
             raise ValueError(f"activations hold more than the {n_kept} kept tokens expected")
+        assert x is not None and y is not None
         x[filled : filled + m], y[filled : filled + m] = xs, ys
         seq[filled : filled + m] = part["seq"].to_numpy()[kept]
         pos[filled : filled + m] = part["pos"].to_numpy()[kept]
@@ -483,7 +485,7 @@ def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConf
 def single_positions(kept: np.ndarray, per_seq: int, seed: int) -> np.ndarray:
     """(sequence, position) pairs [P, 2] of the single-position patches over the whole sample."""
     rng = np.random.default_rng([seed, 7919])
-    out = []
+    out: list[tuple[int, int]] = []
     for s in range(kept.shape[0]):
         candidates = np.flatnonzero(kept[s])
         chosen = rng.choice(candidates, size=min(per_seq, len(candidates)), replace=False)

@@ -6,7 +6,7 @@ the forward pass fails. Each captured tensor leaves the model device at once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -133,7 +133,7 @@ def capture_batches(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.n
 
 
 @contextmanager
-def _counting_blocks(blocks: Sequence[nn.Module], bar: Progress) -> Iterator[None]:
+def _counting_blocks(blocks: Iterable[nn.Module], bar: Progress) -> Iterator[None]:
     """Within the context, each call of a block advances `bar` by the batch's number of sequences."""
     def count(module: nn.Module, args: tuple, output: object) -> None:
         bar.update(int(first_tensor(output).shape[0]))

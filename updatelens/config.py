@@ -221,7 +221,7 @@ class AnalysisConfig:
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     @classmethod
-    def from_dict(cls, d: dict[str, object]) -> "AnalysisConfig":
+    def from_dict(cls, d: dict[str, object]) -> AnalysisConfig:
         """A configuration from plain values (JSON, CLI, Dagster config); ConfigError names an unknown
         key or a value of the wrong type (one line, before any work)."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -238,7 +238,7 @@ class AnalysisConfig:
         per_sequence = self.seq_len * vocab * 4
         return max(1, min(self.kl_block, (self.kl_budget_mb << 20) // per_sequence))
 
-    def replace(self, **changes: object) -> "AnalysisConfig":
+    def replace(self, **changes: object) -> AnalysisConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 

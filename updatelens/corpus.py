@@ -10,7 +10,7 @@ import bz2
 import importlib.util
 import re
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,7 +139,7 @@ def read_hub_dataset(entry: CorpusEntry) -> list[str]:
     return [str(t) for t in ds[entry.field] if str(t).strip()]
 
 
-def read_documents(entry: CorpusEntry) -> Iterator[str]:
+def read_documents(entry: CorpusEntry) -> Generator[str, None, None]:
     """The corpus's documents in order, read as they are asked for (the embedded dump is parsed and
     cleaned only as far as the sample needs)."""
     if entry.source == "embedded":

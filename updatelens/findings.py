@@ -11,9 +11,10 @@ Each finding also declares its null: the same aggregate where the structure the 
 absent (a residual of the same length in a random direction, permuted depths, the identity map). A
 finding `holds` only when its bootstrap interval clears the threshold and the interval of its
 difference from the null (resample by resample) excludes zero on the claimed side; when it clears
-the threshold but not the null it is `indistinct`: the measure cannot tell the claim from noise. Findings 5 and 6 of the paper compare models
-(small against large, Mamba against Transformers); per model, UpdateLens measures what one model
-can show: the diagonal class against the low-rank one, the middle layers against the outer ones.
+the threshold but not the null it is `indistinct`: the measure cannot tell the claim from noise.
+Findings 5 and 6 of the paper compare models (small against large, Mamba against Transformers);
+per model, UpdateLens measures what one model can show: the diagonal class against the low-rank one,
+the middle layers against the outer ones.
 """
 
 from __future__ import annotations

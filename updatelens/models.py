@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,7 +72,7 @@ def window_bos(model_type: str, tokenizer: object) -> int | None:
 @dataclass
 class LoadedModel:
     slug: str
-    model: nn.Module
+    model: Any  # the transformers model (a PreTrainedModel: its config, head and generate API)
     tokenizer: object
     blocks: nn.ModuleList
     adapter: str  # model_type of the adapter used, or "fallback"
@@ -134,7 +135,7 @@ def locate_blocks(model: nn.Module) -> tuple[str, nn.ModuleList, Adapter]:
     return name, blocks, adapter
 
 
-def validate_model(model: nn.Module, slug: str) -> None:
+def validate_model(model: Any, slug: str) -> None:
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
         raise ModelError(f"model {slug!r} ({type(model).__name__}) has no causal LM head; load it "
                          f"with AutoModelForCausalLM from a checkpoint that has one")
@@ -206,7 +207,7 @@ def _check_gguf(path: Path) -> None:
         import gguf
 
         gguf.GGUFReader(str(path))
-    except Exception as exc:  # noqa: BLE001 - any parse failure means a broken file
+    except Exception as exc:
         raise ModelError(f"{path} is a corrupt or truncated GGUF file: {exc}") from exc
 
 
@@ -263,8 +264,9 @@ def load_model(entry: ModelEntry, device: str = "cpu", dtype: torch.dtype = torc
 
     source, revision = resolve_source(entry)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(source, revision=entry.revision or None, dtype=dtype,
+        loaded: Any = AutoModelForCausalLM.from_pretrained(source, revision=entry.revision or None, dtype=dtype,
                                                            output_loading_info=True)
+        model, info = loaded
     except ValueError as exc:
         raise ModelError(f"model {entry.slug!r} cannot be loaded as a causal LM: {exc}") from exc
     except OSError as exc:

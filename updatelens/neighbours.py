@@ -117,6 +117,7 @@ def clustered_search(v: np.ndarray, faiss_metric: int, search_k: int, seed: int 
                           max_points_per_centroid=64)
     kmeans.train(v)
     centroids = faiss.IndexFlat(d, faiss_metric)
+    assert kmeans.centroids is not None  # set by train
     centroids.add(kmeans.centroids)
     _, probes = centroids.search(v, nprobe)  # [n, nprobe], nearest first
     order = np.argsort(probes[:, 0], kind="stable")  # rows sorted by cluster: each cluster a contiguous run

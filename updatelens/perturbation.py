@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,8 +47,8 @@ def resume_at_block(blocks: nn.ModuleList, layer: int, patched: torch.Tensor,
     touched = list(blocks[: layer + 1])
     try:
         for block in touched[:-1]:
-            block.forward = identity  # type: ignore[method-assign]
-        touched[-1].forward = replaced  # type: ignore[method-assign]
+            block.forward = identity
+        touched[-1].forward = replaced
         yield
     finally:
         for block in touched:
@@ -136,7 +137,7 @@ def head_bypassed(head: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
         return hidden
 
     try:
-        head.forward = bypass  # type: ignore[method-assign]
+        head.forward = bypass
         yield seen
     finally:
         if "forward" in head.__dict__:
@@ -232,7 +233,8 @@ def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_hea
             with resumed, head_bypassed(module) as seen:
                 lm.model(input_ids=ids, use_cache=False, **_padding_kwargs(lm, ids))
             return seen["input"], None
-        with resumed, recording_head(module) if head is not None else nullcontext({}) as seen:  # type: ignore[arg-type]
+        recorded: Any = recording_head(module) if head is not None and module is not None else nullcontext({})
+        with resumed, recorded as seen:
             logits = lm.model(input_ids=ids, use_cache=False, **_padding_kwargs(lm, ids)).logits
         return logits, seen.get("output")
 
@@ -260,6 +262,7 @@ def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_hea
                     logp[start + i, p0:p1] = row_logp
                     del row_logp
                 if head is not None:  # from the stored float32 log p (a relative 6e-8), summed in float64
+                    assert logp is not None
                     mean_rows.append(head.expected_row(logp[start + i]))
     assert logp is not None, "empty sample"
     if head is None:

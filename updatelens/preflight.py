@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from updatelens.config import AnalysisConfig, preset_layers
 from updatelens.corpus import Sample, make_sample
@@ -51,7 +52,7 @@ def check_safetensors(folder: Path) -> None:
                              f"{8 + header_len + end}; re-download or re-save the model")
 
 
-def read_model_config(entry: ModelEntry) -> tuple[str, object]:
+def read_model_config(entry: ModelEntry) -> tuple[str, Any]:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -103,7 +104,7 @@ def _check_object_root(root: object) -> None:
     try:
         probe.fs.pipe_file(probe.path, b"ok")
         probe.fs.rm_file(probe.path)
-    except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own types
+    except Exception as exc:
         raise UpdateLensError(f"data root {root} is not writable ({type(exc).__name__}: {exc}); check the bucket, "
                               f"the credentials and the endpoint (AWS_ENDPOINT_URL for a local S3 server)") from exc
 

@@ -32,7 +32,7 @@ QUIET_S = 5.0  # no intermediate log lines before this much time has passed
 
 def _open_tty() -> TextIO | None:
     try:
-        return open("/dev/tty", "w")  # noqa: SIM115 - closed with the bar
+        return open("/dev/tty", "w")
     except OSError:  # no controlling terminal
         return None
 

@@ -10,8 +10,10 @@ import pyarrow as pa
 from updatelens import CODE_VERSION
 from updatelens.config import AnalysisConfig
 
+FLOAT32 = pa.float32()
 
-def vector_column(values: np.ndarray, dtype: pa.DataType = pa.float32()) -> pa.FixedSizeListArray:
+
+def vector_column(values: np.ndarray, dtype: pa.DataType = FLOAT32) -> pa.FixedSizeListArray:
     values = np.ascontiguousarray(values, dtype=dtype.to_pandas_dtype())
     n, d = values.shape
     return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), type=dtype), d)

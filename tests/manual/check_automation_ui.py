@@ -38,7 +38,7 @@ CODE_VERSIONS = """
 """
 
 
-def wait_for(what: str, probe, timeout: float = 600.0, every: float = 5.0):  # noqa: ANN001, ANN201
+def wait_for(what: str, probe, timeout: float = 600.0, every: float = 5.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
         found = probe()

@@ -14,17 +14,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-import updatelens.assets.activations
-import updatelens.assets.functional_metrics
-import updatelens.assets.local_fits
-import updatelens.assets.residuals
 from updatelens import assets
 from updatelens.assets.checks import CheckSettings
-from updatelens.orchestration.definitions import ASSETS
 from updatelens.assets.partitions import model_keys
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
-from updatelens.storage.layout import partition_file
 from updatelens.fits.base import LocalFit
+from updatelens.orchestration.definitions import ASSETS
+from updatelens.storage.layout import partition_file
 from updatelens.tables import to_matrix, vector_column
 
 MODEL = "tiny-gpt2"

@@ -14,13 +14,13 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from updatelens.assets.routing import CPU_QUEUE, GPU_QUEUE
-from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
-from updatelens.orchestration.runner import check_verdicts, dagster_yaml, materialize_layers_distributed, materialize_model
-from updatelens.storage import catalog
-from updatelens.stages import TABLES
 from tests import cluster
 from tests.zoo import N_LAYERS
+from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.assets.routing import CPU_QUEUE, GPU_QUEUE
+from updatelens.orchestration.runner import check_verdicts, dagster_yaml, materialize_layers_distributed, materialize_model
+from updatelens.stages import TABLES
+from updatelens.storage import catalog
 
 pytestmark = pytest.mark.needs_tool(("redis-server",), ".ci/run installs Debian's redis-server")
 

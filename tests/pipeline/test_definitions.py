@@ -57,15 +57,15 @@ QUEUES = {"activations": "gpu", "local_fits": "cpu", "residuals": "cpu", "geomet
           "functional_metrics": "gpu"}
 
 
-def test_deployment_profiles_select_the_executor_and_route_steps(monkeypatch) -> None:  # noqa: ANN001
+def test_deployment_profiles_select_the_executor_and_route_steps(monkeypatch) -> None:
     import json
 
     import pytest
 
+    from updatelens.errors import ConfigError
     from updatelens.orchestration.definitions import build_defs
     from updatelens.orchestration.deployments import active_profile
     from updatelens.orchestration.runner import analyse_job
-    from updatelens.errors import ConfigError
 
     expected = {"local": "multiprocess", "celery": "celery", "k8s": "k8s"}
     for name, executor in expected.items():
@@ -88,7 +88,7 @@ def test_deployment_profiles_select_the_executor_and_route_steps(monkeypatch) ->
     assert sweep.op.tags["dagster-celery/queue"] == "gpu"
 
 
-def test_automated_runs_use_the_code_locations_settings(monkeypatch) -> None:  # noqa: ANN001
+def test_automated_runs_use_the_code_locations_settings(monkeypatch) -> None:
     """What a run launched by a sensor or by automation gets: the resource's config defaults."""
     from updatelens.orchestration.definitions import build_defs
     from updatelens.orchestration.deployments import active_profile

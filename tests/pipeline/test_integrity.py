@@ -8,8 +8,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from updatelens.orchestration.cli import main
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.orchestration.cli import main
 from updatelens.orchestration.runner import materialize_model, stale_layers
 from updatelens.reports.build import build_model_report
 from updatelens.storage import catalog

@@ -9,15 +9,15 @@ import duckdb
 import pytest
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
+from tests.zoo import N_LAYERS
 from updatelens.assets.common import StaleInputError
-from updatelens.orchestration.definitions import ASSETS
 from updatelens.assets.partitions import layer_key
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.orchestration.definitions import ASSETS
 from updatelens.orchestration.runner import failure_message, materialize_model
-from updatelens.storage import catalog
 from updatelens.stages import TABLES
+from updatelens.storage import catalog
 from updatelens.storage.layout import partition_file
-from tests.zoo import N_LAYERS
 
 MODELS = ["tiny-gpt2", "tiny-llama", "tiny-mamba"]
 CLASSES = ["diagonal", "psd_diagonal", "lowrank", "orthogonal", "global_linear", "mlp"]
@@ -96,7 +96,8 @@ def test_a_query_answers_with_the_tokens_text(run, zoo: Path) -> None:
 def test_the_run_log_shows_the_progress_of_capture_fits_and_patched_passes(run) -> None:
     _, instance = run
     messages = [entry.user_message for run_ in instance.get_runs() for entry in instance.all_logs(run_.run_id)]
-    for expected in (f"tiny-gpt2: capture: {N_SEQ * N_LAYERS}/{N_SEQ * N_LAYERS} seq x block (100%)", "tiny-llama layer 1: fit lowrank: ",
+    for expected in (f"tiny-gpt2: capture: {N_SEQ * N_LAYERS}/{N_SEQ * N_LAYERS} seq x block (100%)",
+                     "tiny-llama layer 1: fit lowrank: ",
                      f"tiny-mamba: patched passes: {N_SEQ * N_LAYERS}/{N_SEQ * N_LAYERS} seq x layer (100%)"):
         assert any(expected in m for m in messages), expected
 
@@ -289,9 +290,9 @@ def test_reports_build_from_stored_results_with_every_figure(run) -> None:
 
 
 def test_convention_sweep_is_stored_side_by_side_and_replaced_whole(run) -> None:
+    from updatelens.config import AnalysisConfig
     from updatelens.orchestration.runner import materialize_reports, materialize_sweep
     from updatelens.storage.layout import sweep_root
-    from updatelens.config import AnalysisConfig
 
     lens, instance = run
     grid = '{"k": [6], "exclusion": ["self"], "classes": [["diagonal", "lowrank"]]}'
@@ -312,7 +313,7 @@ def test_convention_sweep_is_stored_side_by_side_and_replaced_whole(run) -> None
     conventions = set(zip(sens["convention"], sens["setting"]))
     assert {("baseline", "default"), ("k", "6"), ("exclusion", "self"), ("alignment form", "map: cos(y, T(x))"),
             ("class", "mlp")} <= conventions
-    assert sens.filter((sens["convention"] == "baseline"))["delta"].abs().max() == 0
+    assert sens.filter(sens["convention"] == "baseline")["delta"].abs().max() == 0
     # every setting resampled on the same documents: intervals, verdicts and the paired change's interval
     k6 = sens.filter((sens["convention"] == "k") & (sens["finding"] == "1")).to_dicts()[0]
     assert k6["ci_lo"] is not None and k6["ci_lo"] <= k6["ci_hi"] and k6["verdict"] is not None

@@ -11,9 +11,9 @@ import dagster as dg
 import pytest
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_START_TAG
 
-from updatelens.orchestration.definitions import ASSETS, defs
 from updatelens.assets.partitions import MODEL_LAYER, model_keys
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.orchestration.definitions import ASSETS, defs
 from updatelens.orchestration.runner import dagster_yaml, materialize_model
 from updatelens.orchestration.schedules import stale_partitions_schedule
 from updatelens.orchestration.sensors import model_registry_sensor, reports_after_analysis

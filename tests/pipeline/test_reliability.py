@@ -17,14 +17,14 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import BertConfig, BertModel, DistilBertConfig, DistilBertModel
 
-from updatelens.orchestration.cli import main
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
-from updatelens.orchestration.runner import materialize_model
-from updatelens.storage import catalog
-from updatelens.stages import TABLES
-from updatelens.storage.layout import STAGING
 from updatelens.errors import ModelError, UpdateLensError
 from updatelens.models import locate_blocks
+from updatelens.orchestration.cli import main
+from updatelens.orchestration.runner import materialize_model
+from updatelens.stages import TABLES
+from updatelens.storage import catalog
+from updatelens.storage.layout import STAGING
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--n-seq", "6", "--seq-len", "16", "--k", "8", "--rank", "2"]
@@ -321,7 +321,7 @@ def test_converge_uses_the_study_presets_settings_so_its_largest_size_is_the_stu
     study = PRESETS["study"]
     assert ConvergeConfig().preset == "study"
     plan = plan_convergence("deep-llama", deep_lens, [256, 512], preset="study")
-    for (tokens, sub), n_seq in zip(plan.sizes, (2, 4)):
+    for (_tokens, sub), n_seq in zip(plan.sizes, (2, 4)):
         cfg = sub.config()
         assert (cfg.n_seq, cfg.seq_len, list(cfg.classes), list(cfg.controls), cfg.bootstrap, cfg.bootstrap_spectra) == (
             n_seq, study["seq_len"], study["classes"], study["controls"], study["bootstrap"], study["bootstrap_spectra"])

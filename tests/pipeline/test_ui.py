@@ -14,10 +14,10 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from tests.pipeline.test_webserver import REPO, free_port, graphql, start_webserver, wait_ready
 from updatelens.assets.partitions import model_keys
 from updatelens.orchestration.commands import location_name
 from updatelens.orchestration.runner import dagster_yaml
-from tests.pipeline.test_webserver import REPO, free_port, graphql, start_webserver, wait_ready
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOTS = Path(os.environ.get("UPDATELENS_SCREENSHOTS", REPO / "data" / "ui-screenshots"))

@@ -41,7 +41,8 @@ def graphql(port: int, query: str) -> dict:
 
 def start_webserver(home: Path, port: int) -> subprocess.Popen:
     env = dict(os.environ, DAGSTER_HOME=str(home), HF_HUB_OFFLINE="1", UPDATELENS_DATA=str(home / "data"))
-    return subprocess.Popen([sys.executable, "-m", "dagster_webserver", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
+    return subprocess.Popen([sys.executable, "-m", "dagster_webserver", "-w", "workspace.yaml", "-h", "127.0.0.1",
+                             "-p", str(port)],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
 

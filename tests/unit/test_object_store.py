@@ -9,6 +9,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from tests import cluster
+from tests.rows import declared_rows
+from updatelens.errors import ConfigError, UpdateLensError
+from updatelens.preflight import check_data_root
 from updatelens.storage import catalog
 from updatelens.storage.integrity import partition_error, quarantine
 from updatelens.storage.layout import (
@@ -23,10 +27,6 @@ from updatelens.storage.layout import (
 )
 from updatelens.storage.location import as_root, is_local, url
 from updatelens.storage.store import Store
-from tests import cluster
-from tests.rows import declared_rows
-from updatelens.errors import ConfigError, UpdateLensError
-from updatelens.preflight import check_data_root
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_a_failed_commit_removes_its_temporary_keys(root: str, monkeypatch: pyte
 
 
 def test_a_published_folder_drops_files_the_new_version_lacks(root: str) -> None:
-    def version(names: list[str]):  # noqa: ANN202
+    def version(names: list[str]):
         def fill(staging: Path) -> None:
             for name in names:
                 (staging / name).write_text(name)

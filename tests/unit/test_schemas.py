@@ -10,12 +10,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from tests.rows import declared_rows
 from updatelens import schemas
 from updatelens.config import AnalysisConfig
 from updatelens.stages import SWEEP_TABLES, TABLES
 from updatelens.storage.store import Store
 from updatelens.tables import vector_column
-from tests.rows import declared_rows
 
 
 def _row(table: str, cfg: AnalysisConfig) -> pa.Table:

@@ -14,8 +14,15 @@ import pytest
 
 from updatelens.storage import catalog
 from updatelens.storage.integrity import MANIFEST, QUARANTINE, partition_error, quarantine, scan, sha256_of
-from updatelens.storage.layout import STAGING, TARGET_SUFFIX, clean_abandoned_staging, partition_dir, partition_file, \
-    staged_dir, write_partition
+from updatelens.storage.layout import (
+    STAGING,
+    TARGET_SUFFIX,
+    clean_abandoned_staging,
+    partition_dir,
+    partition_file,
+    staged_dir,
+    write_partition,
+)
 
 
 def rows(layer: int, n: int = 4, model: str = "m", config: str = "c1") -> pa.Table:
@@ -127,7 +134,7 @@ def write_forms(stored: Path, outside: Path) -> list[str]:
               f"EXPLAIN ANALYZE ATTACH '{outside / 'other.duckdb'}'", "INSTALL httpfs", "LOAD httpfs",
               "SET enable_external_access = true", "RESET lock_configuration", "CREATE TABLE t AS SELECT 1",
               "CREATE OR REPLACE VIEW activations AS SELECT 1", f"SET temp_directory = '{outside / 'tmp'}'",
-              f"PRAGMA enable_profiling = 'json'", f"SET profiling_output = '{outside / 'profile.json'}'",
+              "PRAGMA enable_profiling = 'json'", f"SET profiling_output = '{outside / 'profile.json'}'",
               "CALL enable_logging()", "CHECKPOINT", "DROP VIEW activations"]
     return forms
 
@@ -308,7 +315,7 @@ def test_queries_read_the_catalog_without_verifying_again_only_while_nothing_cha
     assert catalog.query(tmp_path, query)["layer"].to_list() == [3] and len(verifying) == 3
 
 
-def duckdb_file(root: Path):  # noqa: ANN201
+def duckdb_file(root: Path):
     import duckdb
 
     return duckdb.connect(str(root / catalog.CATALOG_FILE))

@@ -19,8 +19,10 @@ def fit_mlp(X: torch.Tensor, Y: torch.Tensor, hidden: int, steps: int, lr: float
     with torch.no_grad():
         for p in net.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[-1]) ** 0.5)
-        net[2].weight.mul_(0.1)
-        net[2].bias.zero_()
+        last = net[2]
+        assert isinstance(last, nn.Linear)
+        last.weight.mul_(0.1)
+        last.bias.zero_()
     net = net.to(Xf.device)
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     xin, target = Xf / x_scale, Df / d_scale
