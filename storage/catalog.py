@@ -675,7 +675,9 @@ def _set_aside(root: str | Path, db_path: Path, reason: str) -> Path:
 
 def refresh(root: str | Path, db_path: Path | None = None, wait: bool = True) -> list[str]:
     """Rebuild the catalog file's views; returns the view names (object store: checked in memory).
-    A damaged or foreign catalog file is set aside first and built anew (it holds only views).
+    The new catalog is built in a file of its own and renamed over the old one: a reader with the
+    old one open keeps reading it, and no reader's lock on it can make a writer's refresh fail.
+    A damaged or foreign catalog file is set aside first (it holds only views and derived tables).
     Beside it, the record of what was verified (`VERIFIED_SUFFIX`): the stored files' fingerprint
     taken before verifying, the files the views read and the views' definitions, so that a query
     finding the same files unchanged reads the catalog without verifying them again. `wait=False`:
@@ -685,7 +687,7 @@ def refresh(root: str | Path, db_path: Path | None = None, wait: bool = True) ->
         with duckdb.connect() as con:
             return create_views(con, root)
     db_path.parent.mkdir(parents=True, exist_ok=True)
-    # One writer at a time: DuckDB allows a single read-write process per database file.
+    # One refresh at a time (each builds the whole catalog; the last to finish is the current one).
     with open(db_path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         verified = _verified_path(db_path)
@@ -693,10 +695,15 @@ def refresh(root: str | Path, db_path: Path | None = None, wait: bool = True) ->
         if reason := catalog_error(db_path):
             _set_aside(root, db_path, reason)
         fingerprint = root_fingerprint(root)  # before verifying: a file changed meanwhile does not match later
-        with duckdb.connect(str(db_path)) as con:
+        building = db_path.with_name(f"{db_path.name}.{os.getpid()}.building")
+        for stale in (building, building.with_name(building.name + ".wal")):
+            stale.unlink(missing_ok=True)
+        with duckdb.connect(str(building)) as con:
             views, readable = _create_views(con, root)
-        with duckdb.connect(str(db_path), read_only=True) as con:  # the definitions as a reader reads them back
+        with duckdb.connect(str(building), read_only=True) as con:  # the definitions as a reader reads them back
             definitions = _view_digest(con)
+        db_path.with_name(db_path.name + ".wal").unlink(missing_ok=True)  # an old log would replay onto it
+        os.replace(building, db_path)
         record = {"code_version": CODE_VERSION, "fingerprint": fingerprint, "views": definitions, "readable": readable}
         tmp = verified.with_name(verified.name + ".tmp")
         tmp.write_text(json.dumps(record))
