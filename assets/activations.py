@@ -65,7 +65,7 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
         for layer, verdict in checks.check_against_hidden_states(lm, sample.input_ids, heads, lens.checks).items():
             matches[f"{model}:{layer:02d}"] = verdict
         d_model = lm.d_model
-    return finish(store, cfg, written, extra={"d_model": d_model}, check_results=[
-        checks.result("activations", "activations_valid", valid, lens.checks),
-        checks.result("activations", "activations_match_hidden_states", matches, lens.checks),
+    return finish(store, cfg, written, extra={"d_model": d_model}, outcomes=[
+        checks.Outcome("activations", "activations_valid", valid, lens.checks),
+        checks.Outcome("activations", "activations_match_hidden_states", matches, lens.checks),
     ])

@@ -146,10 +146,6 @@ class Outcome:
                                    description="; ".join(total.failures[:3]) if total.failures else None)
 
 
-def result(asset: str, name: str, verdicts: dict[str, Verdict], settings: CheckSettings) -> Outcome:
-    return Outcome(asset, name, verdicts, settings)
-
-
 def _finite_rows(matrix: np.ndarray) -> np.ndarray:
     return np.isfinite(matrix).all(axis=1)
 

@@ -248,7 +248,7 @@ class Finished:
 
 
 def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None,
-           check_results: list[checks.Outcome] | None = None) -> Finished:
+           outcomes: list[checks.Outcome] | None = None) -> Finished:
     store.refresh()
     # one partition: its file; several: the table folder they live under
     where = written.paths[0] if len(written.per_partition) == 1 else written.paths[0].rsplit("/", 3)[0]
@@ -271,4 +271,4 @@ def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str,
             if isinstance(value, (int, float)) and not key.startswith("rows_"):
                 metadata[key] = value
     metadata.update(extra or {})
-    return Finished(dg.MaterializeResult(metadata=metadata), check_results or [], written)
+    return Finished(dg.MaterializeResult(metadata=metadata), outcomes or [], written)

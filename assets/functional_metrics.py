@@ -89,5 +89,5 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
             verdict = checks.check_functional(stored_fm, stored_fs, lens.checks)
             verdict.merge(verdicts[f"{model}:{layer:02d}"])
             verdicts[f"{model}:{layer:02d}"] = verdict
-    return finish(store, cfg, written, check_results=[
-        checks.result("functional_metrics", "functional_valid", verdicts, lens.checks)])
+    return finish(store, cfg, written, outcomes=[
+        checks.Outcome("functional_metrics", "functional_valid", verdicts, lens.checks)])

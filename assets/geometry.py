@@ -43,5 +43,5 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
             written.add(store.partition("geometry_bootstrap", model, layer), geo.bootstrap_table(prov, layer))
             n_kept = int(pc.sum(store.partition("activations", model, layer).read(["kept"])["kept"]).as_py())
             verdicts[f"{model}:{layer:02d}"] = checks.check_geometry(target.read(), stored_spec, n_kept, cfg.classes)
-    return finish(store, cfg, written, check_results=[
-        checks.result("geometry", "geometry_ranges", verdicts, lens.checks)])
+    return finish(store, cfg, written, outcomes=[
+        checks.Outcome("geometry", "geometry_ranges", verdicts, lens.checks)])

@@ -45,6 +45,6 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> F
             audits[f"{model}:{layer:02d}"] = checks.refit_audit(target.parts(["fn_class", "neighbours", "tx"]),
                                                                 data.x, data.y, cfg, lens.checks)
             context.log.info(f"{model} layer {layer}: fitted {', '.join(cfg.classes)}")
-    return finish(store, cfg, written, check_results=[
-        checks.result("local_fits", "fits_valid", verdicts, lens.checks),
-        checks.result("local_fits", "fits_refit_audit", audits, lens.checks)])
+    return finish(store, cfg, written, outcomes=[
+        checks.Outcome("local_fits", "fits_valid", verdicts, lens.checks),
+        checks.Outcome("local_fits", "fits_refit_audit", audits, lens.checks)])

@@ -52,11 +52,11 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fi
             for fn_class in cfg.classes:
                 part = stored.filter(pc.equal(stored["fn_class"], fn_class))
                 written.note(model, layer, **{f"rel_err_median_{fn_class}": float(np.median(part["rel_err"].to_numpy()))})
-    return finish(store, cfg, written, check_results=[
-        checks.result("residuals", "residuals_match_fits", recon, lens.checks),
-        checks.result("residuals", "rel_err_within_bounds", bounds, lens.checks),
-        checks.result("residuals", "rel_err_drift", drift, lens.checks),
-        checks.result("residuals", "no_blown_up_fits", blown, lens.checks),
+    return finish(store, cfg, written, outcomes=[
+        checks.Outcome("residuals", "residuals_match_fits", recon, lens.checks),
+        checks.Outcome("residuals", "rel_err_within_bounds", bounds, lens.checks),
+        checks.Outcome("residuals", "rel_err_drift", drift, lens.checks),
+        checks.Outcome("residuals", "no_blown_up_fits", blown, lens.checks),
     ])
 
 
