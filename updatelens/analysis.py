@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 from updatelens.bootstrap import (
     TOKEN_STATISTICS,
     ResampledGrams,
+    effective_ranks_of,
     geometry_replicates,
     row_weights,
     sequence_counts,
@@ -405,6 +406,8 @@ class LayerGeometry:
         """The findings' per-layer statistics on every resample (`geometry_bootstrap`)."""
         parts = []
         b = self.cfg.bootstrap
+        keys = [(c, w) for c in self.scalars for w in WHICH + NULL_WHICH]
+        spectra_ranks = dict(zip(keys, effective_ranks_of([self.replicate_grams[key] for key in keys])))
         for fn_class, blocks in self.scalars.items():
             merged = {k: np.concatenate([blk[k] for blk in blocks]) for k in blocks[0]}
             cols: dict[str, pa.Array] = {"fn_class": pa.array([fn_class] * b),
@@ -414,7 +417,7 @@ class LayerGeometry:
             for which in WHICH + NULL_WHICH:
                 ranks = np.full(b, np.nan)
                 if self.n_spec:
-                    ranks[: self.n_spec] = self.replicate_grams[(fn_class, which)].effective_ranks()
+                    ranks[: self.n_spec] = spectra_ranks[(fn_class, which)]
                 cols[f"rank_{which}"] = pa.array(ranks, pa.float64(), from_pandas=True)
             parts.append(with_provenance(cols, prov, layer))
         return pa.concat_tables(parts)

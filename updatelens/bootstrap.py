@@ -13,9 +13,13 @@ Spearman from the weighted ranks of the expanded sample (ties shared, as scipy's
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 import numpy as np
+import torch
+
+from updatelens.threads import per_core_map
 
 
 def replicate_counts(n_seq: int, n_resamples: int, seed: int) -> np.ndarray:
@@ -174,22 +178,40 @@ class ResampledGrams:
         for s, lo, hi in zip(seqs, starts, np.append(starts[1:], len(seq))):
             self.grams[s] += (v[lo:hi].T @ v[lo:hi]).astype(np.float32)
 
-    def effective_ranks(self, chunk: int = 8) -> np.ndarray:
-        """The effective rank (as `geometry.spectrum`) of the rows on every resample [b]."""
+    def rank_chunks(self, chunk: int = 4) -> list[Callable[[], np.ndarray]]:
+        """The effective ranks as work items: each forms `chunk` resamples' Gram matrices and returns
+        their ranks (in resample order; `effective_ranks` runs them)."""
         b, d = len(self.counts), self.grams.shape[1]
-        out = np.zeros(b)
         flat = self.grams.reshape(len(self.grams), d * d)
-        for lo in range(0, b, chunk):
+
+        def ranks(lo: int) -> np.ndarray:
             hi = min(b, lo + chunk)
             grams = ((self.counts[lo:hi].astype(np.float32) @ flat).reshape(-1, d, d) if self.per_sequence
                      else self.grams[lo:hi])
-            out[lo:hi] = gram_effective_ranks(grams)
-        return out
+            return gram_effective_ranks(grams)
+
+        return [partial(ranks, lo) for lo in range(0, b, chunk)]
+
+    def effective_ranks(self, chunk: int = 4) -> np.ndarray:
+        """The effective rank (as `geometry.spectrum`) of the rows on every resample [b], a chunk of
+        resamples per core at a time (`per_core_map`)."""
+        return effective_ranks_of([self], chunk)[0]
+
+
+def effective_ranks_of(resampled: Sequence[ResampledGrams], chunk: int = 4,
+                       workers: int | None = None) -> list[np.ndarray]:
+    """`effective_ranks` of several statistics, their chunks spread over the cores together (`workers`
+    threads; default: one per core, see `per_core_map`)."""
+    tasks = [r.rank_chunks(chunk) for r in resampled]
+    done = iter(per_core_map(lambda task: task(), [t for ts in tasks for t in ts], workers))
+    return [np.concatenate([next(done) for _ in ts]) if ts else np.zeros(0) for ts in tasks]
 
 
 def gram_effective_ranks(grams: np.ndarray) -> np.ndarray:
     """Effective rank (as `geometry.spectrum`) of the rows behind each Gram matrix [b, d, d]: with
-    `replicate_grams`, the effective rank on every resample."""
+    `replicate_grams`, the effective rank on every resample. The eigenvalues are solved in the Gram
+    matrices' own precision (float32, as `ResampledGrams` keeps them; a rank differs from float64's by
+    about 1e-7, relative) and the entropy is taken in float64."""
     if len(grams) == 0:
         return np.zeros(0)
-    return effective_rank(np.linalg.eigvalsh(grams))
+    return effective_rank(torch.linalg.eigvalsh(torch.as_tensor(grams)).double().numpy())

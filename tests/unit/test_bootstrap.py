@@ -100,6 +100,27 @@ def test_resampled_grams_give_the_effective_rank_of_each_resample_in_either_form
         np.testing.assert_allclose(ranks[i], spectrum(v[idx]).effective_rank, rtol=1e-5)
 
 
+def test_the_ranks_of_several_statistics_solved_together_are_each_ones_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from updatelens.bootstrap import ResampledGrams, effective_ranks_of
+
+    rng = np.random.default_rng(3)
+    seq = np.repeat(np.arange(6), 15)
+    counts = replicate_counts(6, 9, seed=4)
+    stats_ = []
+    for scale in (1.0, 0.1, 3.0):
+        grams = ResampledGrams(counts, 5)
+        grams.add(rng.standard_normal((len(seq), 5)) * scale * np.array([5.0, 2.0, 1.0, 0.5, 0.1]), seq)
+        stats_.append(grams)
+    together = effective_ranks_of(stats_, chunk=2, workers=2)  # their chunks interleave over two threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one statistic at a time, in this thread
+    for grams, ranks in zip(stats_, together):
+        assert ranks.shape == (9,)
+        np.testing.assert_allclose(ranks, grams.effective_ranks(chunk=4), rtol=1e-6)
+    assert all(len(r) == 0 for r in effective_ranks_of([ResampledGrams(counts[:0], 5)]))
+
+
 def test_a_resample_draws_documents_whole() -> None:
     from updatelens.bootstrap import sequence_counts
 

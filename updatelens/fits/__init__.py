@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +17,7 @@ from updatelens.fits.lowrank import fit_lowrank
 from updatelens.fits.mlp import fit_mlp
 from updatelens.fits.orthogonal import fit_orthogonal
 from updatelens.progress import progress
+from updatelens.threads import per_core_map
 
 LocalFitter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, FitParams], LocalFit]
 
@@ -28,9 +28,8 @@ LOCAL_FITTERS: dict[str, LocalFitter] = {
     "orthogonal": fit_orthogonal,
 }
 
-# Classes whose per-anchor work is dominated by small LAPACK calls (k x k eigh, QR, SVD). A batched
-# LAPACK call runs its matrices one after another on one core whatever torch's thread count, so on
-# the CPU these classes run their chunks on one worker thread per core, each single-threaded
+# Classes whose per-anchor work is dominated by small LAPACK calls (k x k eigh, QR, SVD): on the CPU
+# their chunks run on one worker thread per core, each single-threaded (updatelens.threads)
 # (SmolLM2 layer 15 on 2 cores: lowrank 1.3x, orthogonal 1.6x). The memory-bound diagonal classes lose.
 THREADED_CLASSES = frozenset({"lowrank", "orthogonal"})
 
@@ -49,18 +48,6 @@ class LayerFit:
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a `fit_dtype` setting."""
     return torch.float64 if name == "float64" else torch.float32
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """Within the context torch's intra-op thread count is n; the previous count is restored on
-    exit, also when the body fails. The setting is process-wide."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def default_workers(fn_class: str, device: str) -> int:
@@ -113,12 +100,7 @@ def fit_local_batched(fn_class: str, x: np.ndarray, y: np.ndarray, neighbours: n
             if bar is not None:
                 bar.update(len(result.tx))
 
-        if n_workers > 1:
-            with torch_threads(1), ThreadPoolExecutor(n_workers) as pool:
-                list(pool.map(into, starts))
-        else:
-            for start in starts:
-                into(start)
+        per_core_map(into, starts, n_workers)
     return LocalFit(tx=tx, cond=cond)
 
 
