@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import glob
 import hashlib
 import json
 import os
@@ -696,7 +697,8 @@ def refresh(root: str | Path, db_path: Path | None = None, wait: bool = True) ->
             _set_aside(root, db_path, reason)
         fingerprint = root_fingerprint(root)  # before verifying: a file changed meanwhile does not match later
         building = db_path.with_name(f"{db_path.name}.{os.getpid()}.building")
-        for stale in (building, building.with_name(building.name + ".wal")):
+        # only a refresh holding the lock builds: any other building file is a killed refresh's
+        for stale in db_path.parent.glob(f"{glob.escape(db_path.name)}.*.building*"):
             stale.unlink(missing_ok=True)
         with duckdb.connect(str(building)) as con:
             views, readable = _create_views(con, root)

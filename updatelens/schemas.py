@@ -9,6 +9,7 @@ have the model's width, and `neighbours` has `k` entries.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -163,7 +164,13 @@ def descriptions(table: str, cfg: AnalysisConfig | None = None) -> dict[str, str
 def _config_of(table: pa.Table) -> AnalysisConfig | None:
     if "config_json" not in table.column_names or len(table) == 0:
         return None
-    return AnalysisConfig.from_dict(json.loads(table["config_json"][0].as_py()))
+    return _parsed_config(table["config_json"][0].as_py())
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_config(config_json: str) -> AnalysisConfig:
+    """A configuration parsed once (a stage's writer checks every batch it writes with the same one)."""
+    return AnalysisConfig.from_dict(json.loads(config_json))
 
 
 def _matches(declared: pa.DataType | str, found: pa.DataType, cfg: AnalysisConfig | None) -> bool:

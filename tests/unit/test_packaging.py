@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -75,8 +76,14 @@ def test_the_wheel_installs_one_namespace_and_runs_from_outside_the_repository(t
     project's modules import from the installed copy, and the CLI answers."""
     wheels, site, outside = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
     outside.mkdir()
+    # built from a copy of the repository's files: a build in the checkout would leave build/ there,
+    # and the next build would package whatever it still holds (modules removed since included)
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "data", "*.egg-info", "__pycache__", ".pytest_cache", ".dagster_home", ".mypy_cache",
+        ".ruff_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(wheels), str(REPO)], check=True, capture_output=True, timeout=300)
+                    "-w", str(wheels), str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = wheels.glob("updatelens-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"updatelens", wheel.name.split("-")[0] + "-" +

@@ -315,6 +315,17 @@ def test_queries_read_the_catalog_without_verifying_again_only_while_nothing_cha
     assert catalog.query(tmp_path, query)["layer"].to_list() == [3] and len(verifying) == 3
 
 
+def test_a_refresh_removes_what_a_killed_refresh_was_building(tmp_path: Path) -> None:
+    two_layers(tmp_path)
+    db = tmp_path / catalog.CATALOG_FILE
+    left = [db.with_name(f"{db.name}.999999.building"), db.with_name(f"{db.name}.999999.building.wal")]
+    for path in left:  # a refresh killed while it built its file
+        path.write_bytes(b"half a catalog")
+    catalog.refresh(tmp_path)
+    assert not any(path.exists() for path in left)
+    assert sorted(p.name for p in tmp_path.glob(f"{db.name}*")) == [db.name, db.name + catalog.VERIFIED_SUFFIX]
+
+
 def duckdb_file(root: Path):
     import duckdb
 
