@@ -33,7 +33,7 @@ def _pipeline_run(layers: str, root: Path, home: Path, device: str = "cpu",
     return float(figures["pipeline_s"]), float(figures["peak_rss_gib"])
 
 
-def _step_times(home: Path) -> list[dict[str, object]]:
+def step_times(home: Path) -> list[dict[str, object]]:
     """Every step of every run recorded in the Dagster home `home`, oldest run first: the run's
     partitions, the step (asset) and its seconds."""
     import dagster as dg
@@ -93,7 +93,7 @@ def study_record(home: Path, summary: dict[str, Any], n_tokens: int, device: str
     project's). The table."""
     from bench import measures as bench
 
-    steps = _step_times(home)
+    steps = step_times(home)
     layers = [int(x) for x in summary["layers"]]
     floor = forward_floors(str(summary["model"]), layers, device, registry)
     records = floor + bench.study_records(

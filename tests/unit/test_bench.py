@@ -185,3 +185,23 @@ def test_a_met_target_near_its_bound_is_marginal() -> None:
     assert bench.marginal(near) and not bench.marginal(clear) and bench.marginal(absolute)
     assert not bench.marginal(bench.Record("x", 0.61, "", 1.0, 0.61, "<= 0.6 x L full forwards", False))
     assert "marginal" in bench.table([near])
+
+
+def test_the_default_job_record_weighs_the_steps_without_a_forward_pass_against_the_target_margin() -> None:
+    from bench.default_job import record
+
+    floor = [[{"name": "default_job_forward_floor_s", "value": 180.0}], [{"name": "default_job_forward_floor_s",
+                                                                           "value": 220.0}]]  # before, after
+    steps = [{"partitions": "m:00..m:29", "step": step, "seconds": s}
+             for step, s in (("activations", 20.0), ("local_fits", 30.0), ("residuals", 5.0), ("geometry", 30.0),
+                             ("functional_metrics", 300.0))]
+    rows = {r["name"]: r for r in record({"model": "m", "config_id": "c", "layers": [0, 29], "pipeline_s": 390.0,
+                                          "peak_rss_gib": 2.0}, floor, steps)}
+    assert rows["default_job_wall_s"]["reference"] == 200.0  # the mean of the floors
+    assert rows["default_job_wall_s"]["ratio"] == pytest.approx(1.95) and not rows["default_job_wall_s"]["met"]
+    no_forward = rows["default_job_no_forward_steps_s"]
+    assert no_forward["value"] == 65.0 and no_forward["reference"] == pytest.approx(60.0)  # 0.3 x the floor
+    assert not no_forward["met"] and rows["default_job_step_geometry_s"]["value"] == 30.0
+    steps[3]["seconds"] = 20.0  # fits, residuals and geometry within the margin: the target is not ruled out
+    assert record({"model": "m", "config_id": "c", "layers": [0, 29], "pipeline_s": 390.0, "peak_rss_gib": 2.0},
+                  floor, steps)[-1]["met"]
