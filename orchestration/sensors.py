@@ -51,8 +51,9 @@ def found_on_disk(lens: UpdateLensResource, model: str, n_layers: int) -> list[d
            description="Watches the model registry file. A new model gets its (model, layer) partitions from "
                        "its real depth (the stage assets' declarative automation then runs the missing ones; "
                        "partitions already up to date on disk are reported, not rerun); a model whose source "
-                       "changed gets runs for its stale partitions. A removed model is not rerun. The cursor "
-                       "records what was handled, so a daemon restart requests nothing twice.")
+                       "changed gets runs for its stale partitions. A removed model is not rerun, nor, on the first "
+                       "evaluation, a model the instance already knows (its results may hold other settings on "
+                       "purpose). The cursor records what was handled, so a daemon restart requests nothing twice.")
 def model_registry_sensor(context: dg.SensorEvaluationContext, lens: UpdateLensResource) -> dg.SensorResult:
     changes = registry_changes(Path(lens.registry), context.cursor)
     existing = set(context.instance.get_dynamic_partitions(MODEL_LAYER.name))
@@ -72,6 +73,11 @@ def model_registry_sensor(context: dg.SensorEvaluationContext, lens: UpdateLensR
             partition_requests.append(MODELS.build_add_request([entry.slug]))
         if len(new) == len(keys):  # a new model: automation runs what the data root lacks
             events += found_on_disk(lens, entry.slug, depth)
+        elif context.cursor is None:  # known to the instance before the sensor's first evaluation
+            # (e.g. `updatelens run`): no earlier source to differ from, and its partitions may hold
+            # another configuration than this deployment's on purpose: nothing is rerun
+            context.log.info(f"model {entry.slug!r} is already known to this instance; its partitions stay as "
+                             f"they are (later changes to its source rerun what they make stale)")
         else:  # its source changed: what the new source makes stale reruns
             run_requests.extend(stale_run_requests(lens, entry.slug, depth, fingerprint(entry)))
     for slug in changes.removed:

@@ -112,6 +112,10 @@ def test_results_already_on_disk_are_reported_not_rerun(lens: UpdateLensResource
     assert run.success
     assert not tick(instance, lens, None).run_requests  # partitions known and up to date: nothing
 
+    other = UpdateLensResource(data_root=lens.data_root, registry=lens.registry,
+                               analysis=AnalysisSettings(**{**SETTINGS, "k": 6}))
+    assert not tick(instance, other, None).run_requests  # a deployment with other settings reruns nothing
+
     fresh = dg.DagsterInstance.ephemeral()  # a new Dagster instance over the same data root
     result = tick(fresh, lens, None)
     assert not result.run_requests
