@@ -477,7 +477,7 @@ def check_geometry(geometry: pa.Table, spectra: pa.Table, n_kept: int, classes: 
               for c in geometry.column_names if c.startswith(("cos_", "angle_", "proj_"))}
     frame = geometry.select(["fn_class", "seq", "pos"]).to_pandas()
     # each row's columns that are missing, not finite or out of range, as one column: one expectation
-    # (GX runs each expectation as a pass over the frame; one per column cost 1.5 s a layer)
+    # (GX runs each expectation as a pass over the frame: one per column would make a pass per column)
     frame["out_of_range"] = _outside(geometry, ranges)
     verdict = validate(frame, [
         row_count(n_kept * len(classes)),

@@ -1,5 +1,5 @@
 """Great Expectations 1.x, called directly (dagster-ge is stale): an ephemeral context, one pandas
-dataframe asset, and suites built from plain specs. GX is imported on first use (~5-8 s).
+dataframe asset, and suites built from plain specs. GX is imported on first use (it takes seconds).
 
 No Dagster import here: a suite result is a plain `Verdict` that the asset checks turn into
 AssetCheckResults, and a notebook can call `validate` on any frame.

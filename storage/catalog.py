@@ -153,7 +153,7 @@ BAND_STATISTICS: tuple[str, ...] = (*GEOMETRY_STATISTICS, "spearman_relerr_kl", 
                                     "rank_full", "rank_tok", "rank_res", "rank_full_null", "rank_res_null")
 
 # A table, not a view: every finding on every resample is computed once, when the catalog is refreshed
-# from the verified files (1 s for two models' default jobs), instead of in every query that reads
+# from the verified files, instead of in every query that reads
 # the findings (the catalog's record of what was verified holds a digest of its rows: `_view_digest`).
 FINDING_REPLICATES_SQL = """
 CREATE OR REPLACE TABLE {name} AS
@@ -511,7 +511,7 @@ def column_comments(con: duckdb.DuckDBPyConnection, view: str, table: str) -> li
 
 def _comment(con: duckdb.DuckDBPyConnection, views: dict[str, str]) -> None:
     """Every column comment of `views` (view -> its table) in one transaction: one by one, each
-    commits to the catalog file on its own (3 s for the default job's catalog instead of 0.2 s)."""
+    would commit to the catalog file on its own, many times slower."""
     statements = [st for view, table in views.items() for st in column_comments(con, view, table)]
     con.execute("BEGIN TRANSACTION")
     for statement in statements:
@@ -726,7 +726,7 @@ def _verified_path(db_path: Path) -> Path:
 def root_fingerprint(root: str | Path) -> str:
     """SHA-256 of (path, size, modification time) of every file under a local root's result folders
     (the partitions, their manifests, stray files, sweep records): any file written, replaced,
-    touched, added or removed changes it. About 10 ms for the default job's 600 files."""
+    touched, added or removed changes it; it reads no file's contents."""
     top = Path(as_root(root))
     entries = []
     for dirpath, dirnames, filenames in os.walk(top):

@@ -82,8 +82,7 @@ class AnalysisConfig:
     # bootstrap over sequences: resamples behind every finding's interval; the effective ranks of
     # finding 3 are resampled on the first `bootstrap_spectra` of them only (all of them where there
     # are fewer; each resample costs five
-    # d x d eigendecompositions per class and layer, about 24 ms each for d = 576 on a 2-core CPU:
-    # 20 resamples add about 2 minutes to the default 30-layer job)
+    # d x d eigendecompositions per class and layer: the geometry stage's largest cost on a CPU)
     bootstrap: int = 200
     bootstrap_spectra: int = 20
     bootstrap_unit: str = "document"  # the independent unit a resample draws with replacement
@@ -99,7 +98,7 @@ class AnalysisConfig:
     kl_block: int = 16
     # ... and at most this many MiB of them: a 262,144-token vocabulary (Gemma) makes one 128-token
     # sequence 128 MiB of float32 log-probabilities, so its block is 2 sequences (`kl_block_size`;
-    # SmolLM2's 10): with 512, Gemma's default job peaked at 3.3 GiB
+    # SmolLM2's 10), which keeps Gemma's default job within its 3 GiB memory target
     kl_budget_mb: int = 256
     # execution
     capture_batch: int = 8

@@ -169,7 +169,7 @@ def embedded_file(entry: ModelEntry) -> Path:
 
 
 def convert_embedded(entry: ModelEntry) -> Path:
-    """GGUF -> safetensors once (about 20-60 s), cached; later loads take well under a second."""
+    """GGUF -> safetensors once, cached; later loads read the cached safetensors."""
     gguf = embedded_file(entry)
     target = cache_dir() / "models" / entry.slug
     if (target / "config.json").exists():

@@ -104,8 +104,8 @@ def clustered_search(v: np.ndarray, faiss_metric: int, search_k: int, seed: int 
     k-means (faiss) splits the rows into nlist clusters (default 2.3 sqrt(n)) and each query probes its
     nprobe nearest centroids, as in an IVF index. Queries are then grouped by their nearest cluster and
     each group is searched exactly against the members of every cluster its queries probe, as one matrix
-    product and top-k on `device` (rows sorted by cluster, so candidates are contiguous runs: gathering
-    them row by row took 7 of 42 s). Faiss's CPU IVF scans the lists query by query (memory-bound);
+    product and top-k on `device` (rows sorted by cluster, so candidates are contiguous runs rather
+    than rows gathered one by one). Faiss's CPU IVF scans the lists query by query (memory-bound);
     batching a cluster's queries keeps the search BLAS-bound. How it compares with faiss's IVF (per query
     and big-batch) and HNSW at equal recall: `python -m bench --only knn` (bench record knn.json).
     """

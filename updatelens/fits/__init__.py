@@ -29,8 +29,8 @@ LOCAL_FITTERS: dict[str, LocalFitter] = {
 }
 
 # Classes whose per-anchor work is dominated by small LAPACK calls (k x k eigh, QR, SVD): on the CPU
-# their chunks run on one worker thread per core, each single-threaded (updatelens.threads)
-# (SmolLM2 layer 15 on 2 cores: lowrank 1.3x, orthogonal 1.6x). The memory-bound diagonal classes lose.
+# their chunks run on one worker thread per core, each single-threaded (updatelens.threads). The
+# memory-bound diagonal classes lose with threads.
 THREADED_CLASSES = frozenset({"lowrank", "orthogonal"})
 
 __all__ = ["LOCAL_FITTERS", "THREADED_CLASSES", "FitParams", "LayerFit", "fit_layer", "fit_local_batched",
