@@ -31,7 +31,9 @@ def write_registry(path: Path, zoo: Path, models: list[str]) -> Path:
 
 
 def tick(instance: dg.DagsterInstance, lens: UpdateLensResource, cursor: str | None) -> dg.SensorResult:
-    result = model_registry_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources={"lens": lens}))
+    # closed by `with`, as Dagster documents: the context releases what it opened (resources)
+    with dg.build_sensor_context(instance=instance, cursor=cursor, resources={"lens": lens}) as context:
+        result = model_registry_sensor(context)
     for request in result.dynamic_partitions_requests or []:  # what the daemon does with them
         instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
     return result
@@ -146,10 +148,10 @@ def check_schedule(zoo: Path, lens: UpdateLensResource, instance: dg.DagsterInst
     instance.add_dynamic_partitions(MODEL_LAYER.name, model_keys("tiny-llama", 3))
 
     def run_schedule(resource: UpdateLensResource) -> list[dg.RunRequest] | dg.SkipReason:
-        ctx = dg.build_schedule_context(instance=instance, resources={"lens": resource},
-                                        scheduled_execution_time=datetime.datetime(2026, 11, 29, 3, 0))
-        out = stale_partitions_schedule(ctx)
-        return out if isinstance(out, dg.SkipReason) else list(out)
+        with dg.build_schedule_context(instance=instance, resources={"lens": resource},  # closed, as `tick`
+                                       scheduled_execution_time=datetime.datetime(2026, 11, 29, 3, 0)) as ctx:
+            out = stale_partitions_schedule(ctx)
+            return out if isinstance(out, dg.SkipReason) else list(out)
 
     requests = run_schedule(lens)  # tiny-llama never ran: one range run; tiny-gpt2 is fresh
     assert [r.tags.get(ASSET_PARTITION_RANGE_START_TAG) for r in requests] == ["tiny-llama:00"]
