@@ -12,10 +12,10 @@ Run the default job with `--summary-json` and the floor bench of the same model 
 
 The record: the pipeline's wall time against the mean of the floors (target <= 1.3 x; SmolLM2's
 <= 1.25 x), its peak RSS (target <= 3 GiB), and the floors' own records (the matmul rate each was
-measured at). With the run's data
-root, also every stage's time (from the root's own Dagster home) and the time of the stages that
-make no forward pass at all (local fits, residuals, geometry) against the time the target leaves
-over the floor: where they alone take more, no forward pass however fast meets the target.
+measured at). With the run's data root, also every step's time (from the root's own Dagster home)
+and the time of the steps that hold no model (`bench.measures.MODEL_STEPS`: the fits, residuals
+and geometry) against the time the target leaves over the floor: where they alone take more, no
+forward pass however fast meets the target.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ TIME_RATIO_TARGETS = {"smollm2-135m": 1.25}  # issue targets; other models (Gemm
 TIME_RATIO_TARGET = 1.3
 RSS_TARGET_GIB = 3.0
 
-
-NO_FORWARD_STAGES = ("local_fits", "residuals", "geometry")  # the stages that run no model
 
 
 def record(summary: dict, floors: list[list[dict]], steps: list[dict] | None = None) -> list[dict]:
@@ -59,15 +57,18 @@ def record(summary: dict, floors: list[list[dict]], steps: list[dict] | None = N
 def step_records(steps: list[dict], floor_s: float, target: float, where: str) -> list[dict]:
     """Each stage's seconds in the run, and the stages without a forward pass against the margin
     the time target leaves over the forward-pass floor ((target - 1) x floor)."""
+    from bench.measures import MODEL_STEPS
+
     rows = [{"name": f"default_job_step_{s['step']}_s", "value": s["seconds"], "unit": "s", "reference": None,
              "ratio": None, "target": "", "met": None, "note": f"{where}: the {s['step']} step", "device": "cpu"}
             for s in steps]
-    no_forward = sum(float(s["seconds"]) for s in steps if s["step"] in NO_FORWARD_STAGES)
+    model_free = [s for s in steps if s["step"] not in MODEL_STEPS]
+    no_forward = sum(float(s["seconds"]) for s in model_free)
     margin = (target - 1) * floor_s
     rows.append({"name": "default_job_no_forward_steps_s", "value": no_forward, "unit": "s", "reference": margin,
                  "ratio": no_forward / margin, "target": "<= 1 for the time target to be reachable", "met": no_forward <= margin,
-                 "note": f"{where}: the steps that run no model ({', '.join(NO_FORWARD_STAGES)}) against the time the "
-                         f"target leaves over the forward-pass floor ({target - 1:.2f} x the floor)",
+                 "note": f"{where}: the steps that run no model ({', '.join(s['step'] for s in model_free)}) against "
+                         f"the time the target leaves over the forward-pass floor ({target - 1:.2f} x the floor)",
                  "device": "cpu"})
     return rows
 
