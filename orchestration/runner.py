@@ -80,19 +80,6 @@ def prepared_home(home: Path) -> Path:
     return home
 
 
-@contextmanager
-def current_instance(instance: dg.DagsterInstance) -> Iterator[None]:
-    """Make `instance`'s definitions-state storage the current one while Dagster builds the run's
-    definitions. `DagsterInstance.__exit__` disposes an instance without restoring the storage it
-    made current, so after another instance's `with` block that context variable can point at a
-    disposed instance ("Attempted to resolve undefined DagsterInstance weakref", seen in the test
-    suite depending on test order and garbage collection)."""
-    from dagster._core.storage.defs_state.base import set_defs_state_storage
-
-    with set_defs_state_storage(instance.defs_state_storage):
-        yield
-
-
 def register_model(instance: dg.DagsterInstance, model: str, n_layers: int) -> list[str]:
     """Add the model's (model, layer) keys so they are contiguous in the partition order.
 
@@ -155,15 +142,14 @@ def materialize_model(model: str, lens: UpdateLensResource, instance: dg.Dagster
     chosen = list(range(report.n_layers)) if layers is None else sorted(set(layers))
     if len(contiguous_ranges(chosen)) != 1:
         raise ConfigError("layers must be a contiguous range (e.g. 3-7) for a single run")
-    with current_instance(instance):
-        return dg.materialize(
-            list(selection or ASSETS),
-            instance=instance,
-            resources={"lens": lens},
-            tags=range_tags([keys[layer] for layer in chosen]),
-            run_config=log_config(log_level),
-            raise_on_error=raise_on_error,
-        )
+    return dg.materialize(
+        list(selection or ASSETS),
+        instance=instance,
+        resources={"lens": lens},
+        tags=range_tags([keys[layer] for layer in chosen]),
+        run_config=log_config(log_level),
+        raise_on_error=raise_on_error,
+    )
 
 
 def analyse_job() -> dg.JobDefinition:
@@ -269,14 +255,13 @@ def materialize_reports(models: Sequence[str], lens: UpdateLensResource, instanc
                         comparison: bool = True, raise_on_error: bool = True) -> list[dg.ExecuteInJobResult]:
     """Each model's report (from stored results), then the comparison across all models."""
     results = []
-    with current_instance(instance):
-        for model in models:
-            register_model_key(instance, model)
-            results.append(dg.materialize([report], instance=instance, resources={"lens": lens},
-                                          partition_key=model, raise_on_error=raise_on_error))
-        if comparison:
-            results.append(dg.materialize([comparison_report], instance=instance, resources={"lens": lens},
-                                          raise_on_error=raise_on_error))
+    for model in models:
+        register_model_key(instance, model)
+        results.append(dg.materialize([report], instance=instance, resources={"lens": lens},
+                                      partition_key=model, raise_on_error=raise_on_error))
+    if comparison:
+        results.append(dg.materialize([comparison_report], instance=instance, resources={"lens": lens},
+                                      raise_on_error=raise_on_error))
     return results
 
 
@@ -284,7 +269,6 @@ def materialize_sweep(model: str, lens: UpdateLensResource, instance: dg.Dagster
                       sweep_config: dict[str, object] | None = None, raise_on_error: bool = True) -> dg.ExecuteInJobResult:
     """The model's convention sweep (loads the model once, analyses every configuration)."""
     register_model_key(instance, model)
-    with current_instance(instance):
-        return dg.materialize([convention_sweep], instance=instance, resources={"lens": lens}, partition_key=model,
-                              run_config={"ops": {"convention_sweep": {"config": sweep_config or {}}}},
-                              raise_on_error=raise_on_error)
+    return dg.materialize([convention_sweep], instance=instance, resources={"lens": lens}, partition_key=model,
+                          run_config={"ops": {"convention_sweep": {"config": sweep_config or {}}}},
+                          raise_on_error=raise_on_error)

@@ -7,11 +7,10 @@ from pathlib import Path
 import dagster as dg
 import duckdb
 import pytest
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from tests.zoo import N_LAYERS
 from updatelens.assets.common import StaleInputError
-from updatelens.assets.partitions import layer_key
+from updatelens.assets.partitions import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG, layer_key
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
 from updatelens.orchestration.definitions import ASSETS
 from updatelens.orchestration.runner import failure_message, materialize_model

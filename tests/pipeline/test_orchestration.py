@@ -9,9 +9,8 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_START_TAG
 
-from updatelens.assets.partitions import MODEL_LAYER, model_keys
+from updatelens.assets.partitions import ASSET_PARTITION_RANGE_START_TAG, MODEL_LAYER, model_keys
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
 from updatelens.orchestration.definitions import ASSETS, defs
 from updatelens.orchestration.runner import dagster_yaml, materialize_model
