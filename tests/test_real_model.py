@@ -105,7 +105,10 @@ def test_smollm2_exact_single_position_effects_equal_one_pass_per_position() -> 
     positions (16 in each of 4 windows) at layers 0, 15 and 28, for a residual-sized perturbation.
     In float64, so that the comparison sees the method and not float32 rounding (in float32 the two
     differ by up to 5e-4 relative, less than transformers' own eager and sdpa attention differ from
-    each other on the same brute force: up to 1.6e-3, measured on these positions)."""
+    each other on the same brute force: up to 1.6e-3, measured on these positions). Within 1e-5
+    relative: on some machines the two agree bit for bit; on an AMD EPYC one, 7 positions of one
+    window at layer 0 differed by up to 3.9e-6 relative (other layers bit for bit; the brute force
+    itself the same with every attention backend and batch size)."""
     from updatelens.perturbation import single_position_kl
     from updatelens.single_position import all_single_position_kl
 
@@ -125,7 +128,7 @@ def test_smollm2_exact_single_position_effects_equal_one_pass_per_position() -> 
         brute = single_position_kl(smollm2, sample.input_ids, layer, variant, y, positions, orig, 8)[0]
         at = (positions[:, 0], positions[:, 1])
         assert np.all(brute[at] > 1e-7)
-        np.testing.assert_allclose(fast[at], brute[at], rtol=1e-9)
+        np.testing.assert_allclose(fast[at], brute[at], rtol=1e-5)
         every = patched_kl(smollm2, sample.input_ids, layer, variant, orig, 8)[0]
         assert np.median(np.abs(every[at] - brute[at]) / brute[at]) > 0.05  # patching all positions differs
 

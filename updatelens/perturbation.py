@@ -95,11 +95,13 @@ class LinearHead:
         return out
 
     def shifted_logsumexp(self, delta_h: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-        """logsumexp_v(logp_v + delta_h . w_v) for delta_h [m, d], logp [m, V]: float64 [m]."""
+        """logsumexp_v(logp_v + delta_h . w_v) for delta_h [m, d], logp [m, V]: float64 [m]. Reduced in
+        float32, or in float64 for a float64 model (whose comparisons see the method, not rounding)."""
         delta_h = delta_h.to(self.weight.dtype)
+        exact = torch.promote_types(self.weight.dtype, torch.float32)
         parts = []
         for start in range(0, self.weight.shape[0], self.chunk):
-            t = F.linear(delta_h, self.weight[start : start + self.chunk]).float()
+            t = F.linear(delta_h, self.weight[start : start + self.chunk]).to(exact)
             t += logp[:, start : start + self.chunk]
             top = t.amax(dim=-1, keepdim=True)  # kept exact; the sum of exp is rounded relative to 1
             parts.append(top.squeeze(-1).double() + t.sub_(top).exp_().sum(dim=-1).double().log())
