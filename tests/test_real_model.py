@@ -106,7 +106,7 @@ def test_smollm2_exact_single_position_effects_equal_one_pass_per_position() -> 
     In float64, so that the comparison sees the method and not float32 rounding (in float32 the two
     differ by up to 5e-4 relative, less than transformers' own eager and sdpa attention differ from
     each other on the same brute force: up to 1.6e-3, measured on these positions). Within 1e-5
-    relative: on some machines the two agree bit for bit; on an AMD EPYC one, 7 positions of one
+    relative: on earlier machines the two agreed within 1e-9; on an AMD EPYC one, 7 positions of one
     window at layer 0 differed by up to 3.9e-6 relative (other layers bit for bit; the brute force
     itself the same with every attention backend and batch size)."""
     from updatelens.perturbation import single_position_kl
