@@ -108,7 +108,7 @@ def test_smollm2_exact_single_position_effects_equal_one_pass_per_position() -> 
     each other on the same brute force: up to 1.6e-3, measured on these positions). Within 1e-5
     relative: on earlier machines the two agreed within 1e-9; on an AMD EPYC one, 7 positions of one
     window at layer 0 differed by up to 3.9e-6 relative (other layers bit for bit; the brute force
-    itself the same with every attention backend and batch size)."""
+    itself the same with sdpa, its math backend, and batches of 8 or 1)."""
     from updatelens.perturbation import single_position_kl
     from updatelens.single_position import all_single_position_kl
 
