@@ -13,8 +13,8 @@ Run the default job with `--summary-json` and the floor bench of the same model 
 The record: the pipeline's wall time against the mean of the floors (target <= 1.3 x; SmolLM2's
 <= 1.25 x), its peak RSS (target <= 3 GiB), and the floors' own records (the matmul rate each was
 measured at). With the run's data root, also every step's time (from the root's own Dagster home)
-and the time of the steps that hold no model (`bench.measures.MODEL_STEPS`: the fits, residuals
-and geometry) against the time the target leaves over the floor: where they alone take more, no
+and the time of the steps that hold no model (`updatelens.stages.MODEL_STEPS`: the fits, residuals,
+geometry and reports) against the time the target leaves over the floor: where they alone take more, no
 forward pass however fast meets the target.
 """
 
@@ -24,10 +24,11 @@ import json
 import sys
 from pathlib import Path
 
+from updatelens.stages import MODEL_STEPS
+
 TIME_RATIO_TARGETS = {"smollm2-135m": 1.25}  # issue targets; other models (Gemma 3 270M): 1.3
 TIME_RATIO_TARGET = 1.3
 RSS_TARGET_GIB = 3.0
-
 
 
 def record(summary: dict, floors: list[list[dict]], steps: list[dict] | None = None) -> list[dict]:
@@ -55,10 +56,8 @@ def record(summary: dict, floors: list[list[dict]], steps: list[dict] | None = N
 
 
 def step_records(steps: list[dict], floor_s: float, target: float, where: str) -> list[dict]:
-    """Each stage's seconds in the run, and the stages without a forward pass against the margin
-    the time target leaves over the forward-pass floor ((target - 1) x floor)."""
-    from bench.measures import MODEL_STEPS
-
+    """Each step's seconds in the run, and the steps that hold no model against the margin the time
+    target leaves over the forward-pass floor ((target - 1) x floor)."""
     rows = [{"name": f"default_job_step_{s['step']}_s", "value": s["seconds"], "unit": "s", "reference": None,
              "ratio": None, "target": "", "met": None, "note": f"{where}: the {s['step']} step", "device": "cpu"}
             for s in steps]

@@ -34,7 +34,7 @@ from updatelens.neighbours import (
     select_neighbours,
 )
 from updatelens.perturbation import Variant, original_output, patched_kl
-from updatelens.stages import STAGES
+from updatelens.stages import MODEL_STEPS
 
 
 @dataclass
@@ -650,11 +650,6 @@ def floor_record(name: str, work: ForwardWork, gemm_flops: float, target_s: floa
                   f"{tflop['capture']:.1f}, one unpatched pass {tflop['unpatched']:.1f}, patched passes "
                   f"{tflop['patched']:.1f}) at the measured matmul rate: the least time the forward passes "
                   f"take on this device; reference: the time target", device)
-
-
-# the steps that hold a model and make its forward passes; every other step of a run (fits, residuals,
-# geometry, reports) is work no forward pass however fast takes off
-MODEL_STEPS = frozenset(stage.name for stage in STAGES if stage.needs_model)
 
 
 def study_records(pipeline_s: float, peak_rss_gib: float, steps: list[StepTime], n_tokens: int,

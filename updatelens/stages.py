@@ -50,6 +50,10 @@ STAGES: tuple[Stage, ...] = (
           "`functional_summary`.", ("activations", "local_fits")),
 )
 
+# the steps that hold a model and make its forward passes; every other step of a run (fits, residuals,
+# geometry, reports) is work that no forward pass, however fast, takes off
+MODEL_STEPS = frozenset(stage.name for stage in STAGES if stage.needs_model)
+
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
 STAGE_NAMES: tuple[str, ...] = tuple(BY_NAME)
 TABLES_BY_STAGE: dict[str, tuple[str, ...]] = {s.name: s.tables for s in STAGES}
