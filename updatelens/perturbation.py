@@ -96,7 +96,8 @@ class LinearHead:
 
     def shifted_logsumexp(self, delta_h: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
         """logsumexp_v(logp_v + delta_h . w_v) for delta_h [m, d], logp [m, V]: float64 [m]. Reduced in
-        float32, or in float64 for a float64 model (whose comparisons see the method, not rounding)."""
+        float32, or in float64 for a float64 model (whose comparisons see the method, not rounding), as
+        `OriginalOutput.kl` does for other heads."""
         delta_h = delta_h.to(self.weight.dtype)
         exact = torch.promote_types(self.weight.dtype, torch.float32)
         parts = []
@@ -177,7 +178,7 @@ class OriginalOutput:
             out = out[torch.arange(len(seqs)), positions]
         if self.head is None:
             logp = self.logp[index]
-            logq = torch.log_softmax(out.float(), dim=-1).to(logp.device)
+            logq = torch.log_softmax(out.to(torch.promote_types(out.dtype, torch.float32)), dim=-1).to(logp.device)
             return kl_rows(logp, logq).double()
         assert self.head_input is not None and self.mean_row is not None
         delta_h = out - self.head_input[index]
