@@ -43,13 +43,14 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
                      for layer in layers}
             token_sinks = {layer: stack.enter_context(store.partition("tokens", model, layer).writer())
                            for layer in layers}
+            self_only = layers if "self_only" in cfg.positive_controls and lm.self_attention else []
             for batch in capture_batches(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch,
-                                         last_block=max(layers)):
+                                         last_block=max(layers), self_only=self_only):
                 text = token_rows(lm.tokenizer, batch.input_ids, 0, prov, batch.start)
                 for layer, sink in sinks.items():
                     docs = sample.doc_index[batch.start : batch.start + len(batch.input_ids)]
                     sink.write(activation_rows(batch.states, batch.input_ids, batch.attention_mask, layer,
-                                               cfg, prov, docs, batch.start))
+                                               cfg, prov, docs, batch.start, batch.self_only.get(layer)))
                     token_sinks[layer].write(text.set_column(0, "layer", pa.array([layer] * len(text), pa.int32())))
         n_check = min(lens.checks.hidden_state_sequences, len(sample.input_ids))
         heads = {}

@@ -78,6 +78,9 @@ CHECK_DEFS: dict[str, CheckDef] = {c.name: c for c in [
     CheckDef("geometry_ranges", False, "one row per kept token and class, each once; cosines in [-1, 1], "
              "angles in [0, 180], projection "
              "energies in [0, 1], singular values >= 0 and non-increasing"),
+    CheckDef("controls_valid", False, "per positive control: one row per kept token and class, each once, "
+             "every configured control the architecture has present; cosines, angles and projections in "
+             "range, singular values >= 0 and non-increasing"),
     CheckDef("functional_valid", False, "KL finite and, before its clamp at 0, not below -rounding; "
              "the random-direction control moves the output (patches are applied); Spearman in [-1, 1] "
              "with enough tokens; the identity patch gives KL 0"),
@@ -495,6 +498,21 @@ def check_geometry(geometry: pa.Table, spectra: pa.Table, n_kept: int, classes: 
         if np.any(np.diff(sigma) > 1e-9 * (sigma[0] if len(sigma) else 1)):
             bad.append({"fn_class": fn_class, "which": which})
     verdict.expect("singular values non-increasing", not bad, f"singular values increase in {bad}", bad)
+    return verdict
+
+
+def check_controls(geometry: pa.Table, spectra: pa.Table, n_kept: int, classes: Sequence[str],
+                   expected: Sequence[str]) -> Verdict:
+    """The stored positive controls: the configured controls the architecture has, each measured as
+    `check_geometry` measures the real layer (one row per kept token and class, values in range)."""
+    found = sorted(set(geometry["control"].to_pylist()))
+    verdict = Verdict()
+    verdict.expect("every positive control present", found == sorted(expected),
+                   f"controls stored {found}, expected {sorted(expected)}", found)
+    for control in expected:
+        rows = geometry.filter(pc.equal(geometry["control"], control)).drop_columns(["control"])
+        spec = spectra.filter(pc.equal(spectra["control"], control)).drop_columns(["control"])
+        verdict.merge(check_geometry(rows, spec, n_kept, classes), prefix=f"{control}: ")
     return verdict
 
 

@@ -37,7 +37,8 @@ ORDER BY layer, fn_class
 
 FINDINGS_SQL = """
 SELECT model, config_id, finding, fn_class, round(value, 3) AS value, round(ci_lo, 3) AS ci_lo, round(ci_hi, 3) AS ci_hi,
-       threshold, round(null_value, 3) AS null, round(null_ci_lo, 3) AS null_lo, round(null_ci_hi, 3) AS null_hi,
+       threshold, round(null_value, 3) AS null, null_outcome AS vs_null,
+       round(self_only_value, 3) AS self_only, round(linear_value, 3) AS linear, control_outcome AS vs_control,
        coalesce(verdict, CASE WHEN note IS NOT NULL THEN 'not measured' END) AS verdict
 FROM findings WHERE list_contains($1, model) ORDER BY model, config_id, finding
 """
@@ -206,8 +207,9 @@ def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterIn
             print(f"updatelens: the report failed: {failure_message(result)}", file=sys.stderr)
             return 1
     base = reports_root(lens.root)
-    print("\nFindings (SQL view findings; the null: the same measure without the claimed structure, "
-          "docs/method.md):")
+    print("\nFindings (SQL view findings, docs/method.md): the null is the same measure without the claimed "
+          "structure; self_only and linear, the same measure when the truth is tokenwise by construction "
+          "(positive controls); estimator-limited: the estimator cannot show the structure at this sample size")
     print_frame(lens.store.query(FINDINGS_SQL, [list(models)]))
     for model in models:
         print(f"report: {base / model / 'index.html'}")
@@ -320,6 +322,29 @@ def cmd_converge(args: argparse.Namespace) -> int:
     print(f"\nconverge wall time {time.perf_counter() - start:.1f} s, peak RSS {_peak_rss_gib():.2f} GiB. "
           f"Convergence (SQL view convergence):")
     print_frame(convergence_table(lens, args.model))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """The estimator's power: the real update and the positive controls fitted and scored at each
+    sample size and k; the `calibration` view holds every figure with its interval."""
+    from updatelens.errors import UpdateLensError
+    from updatelens.orchestration.calibration import calibration_table, run_calibration
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    try:
+        lens = _lens_from(args)
+        tokens = [int(t) for t in args.tokens.split(",")]
+        ks = [int(k) for k in args.ks.split(",")]
+        run_calibration(args.model, lens, tokens, ks, _parse_layers(args.layers), args.anchors,
+                        log=lambda line: print(line, flush=True))
+    except (UpdateLensError, ValueError, OSError) as exc:
+        print(f"updatelens calibrate: {exc}", file=sys.stderr)
+        return 2
+    print(f"\ncalibrate wall time {time.perf_counter() - start:.1f} s, peak RSS {_peak_rss_gib():.2f} GiB. "
+          f"Calibration (SQL view calibration; target real: the layer, the others tokenwise by construction):")
+    print_frame(calibration_table(lens, args.model))
     return 0
 
 

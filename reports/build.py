@@ -124,6 +124,8 @@ th, td { border: 1px solid #ccc; padding: 3px 7px; text-align: left; }
 th { background: #f3f3f3; }
 td.yes, td.holds { background: #e3f4e3; } td.no, td.fails { background: #fbe4e4; } td.flip { font-weight: bold; }
 td.indistinct { background: #fff1cc; } td.undecided { background: #eeeeee; }
+td.estimator-limited { background: #e1ecfb; } td.opposite { background: #f1dcf5; }
+details { margin: 0.5em 0 1.5em; } summary { cursor: pointer; color: #444; }
 img { max-width: 100%; border: 1px solid #eee; }
 figcaption { font-size: 13px; color: #555; margin-bottom: 1.5em; }
 code, pre { background: #f6f6f6; font-size: 12px; }
@@ -141,7 +143,7 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-VERDICTS = ("holds", "fails", "undecided", "indistinct")
+VERDICTS = ("holds", "fails", "undecided", "indistinct", "estimator-limited", "opposite")
 
 
 def html_table(frame: pl.DataFrame, verdict_columns: tuple[str, ...] = ("holds", "verdict")) -> str:
@@ -229,9 +231,7 @@ def build_model_report(root: Path, model: str) -> Report:
                              f"AND variant = 'patch'", params)
         spectra = _frame(con, f"SELECT layer, fn_class, which, idx, cum_energy FROM spectra WHERE {where} AND {in_picks}",
                          params)
-        findings = _frame(con, f"SELECT finding, statement, fn_class, value, ci_lo, ci_hi, threshold, null_value, "
-                               f"null_ci_lo, null_ci_hi, verdict, layers, note, measure, null_source FROM findings "
-                               f"WHERE {where} ORDER BY finding", params)
+        findings = _frame(con, f"SELECT * FROM findings WHERE {where} ORDER BY finding", params)
         converged = (_frame(con, "SELECT * FROM convergence WHERE model = ?", [model])
                      if "convergence" in views else pl.DataFrame())
         sensitivity, swept_layers = None, ""
@@ -285,12 +285,20 @@ def build_model_report(root: Path, model: str) -> Report:
             "model, on the class with "
             "the lowest median relative error, with the threshold that decides whether it holds, its 95% bootstrap "
             "interval (<code>ci_lo</code>, <code>ci_hi</code>), and its null: what the same measure gives where "
-            "the claimed structure is absent (<code>null_source</code>), with its own interval. The verdict: "
-            "<b>fails</b> when the whole interval misses the threshold, <b>undecided</b> when it straddles it, "
-            "<b>holds</b> when it clears the threshold and beats the null (the difference's interval excludes zero), "
+            "the claimed structure is absent (<code>null_source</code>), with its own interval, and its tokenwise "
+            "control: the same measure when the truth is tokenwise by construction (the block with each token "
+            "attending to itself alone, or a linear map fitted without the token's document). The verdict: "
+            "<b>estimator-limited</b> when the control shows the estimator cannot show the structure at this "
+            "sample size (the control misses the threshold, or the real value cannot be told from it), "
+            "<b>opposite</b> when the value is beyond its null on the wrong side of the claim, "
+            "<b>holds</b> when it clears the threshold and beats the null, <b>fails</b> when the whole interval "
+            "misses the threshold, <b>undecided</b> when it straddles it, "
             "<b>indistinct</b> when it clears the threshold but not the null: noise would pass too. SQL: "
             f"<code>SELECT * FROM findings WHERE model = '{html.escape(model)}'</code> (view definition below).</p>"
-            + html_table(findings),
+            + html_table(findings_summary(findings))
+            + "<details><summary>How each finding is measured, its null and its threshold</summary>"
+            + html_table(findings.select("finding", "statement", "measure", "null_source", "threshold_source",
+                                         "control_role", "layers", "note"), ()) + "</details>",
         ]
         if sensitivity is not None and not sensitivity.is_empty():
             sections.append(
@@ -322,6 +330,24 @@ def build_model_report(root: Path, model: str) -> Report:
     return Report(title=title, directory=directory,
                   figures={name: directory / f"{name}.png" for name in MODEL_FIGURES},
                   findings=findings, sensitivity=sensitivity, config_id=config_id, notes=notes)
+
+
+def findings_summary(findings: pl.DataFrame) -> pl.DataFrame:
+    """The findings table of a report: one narrow row per finding (value, null and tokenwise control
+    each with its interval, where each comparison lands, the verdict); the long texts go to a fold."""
+    def with_interval(value: str, lo: str, hi: str) -> pl.Expr:
+        return pl.col(value).round(3).cast(pl.String).fill_null("—") + _interval(lo, hi)
+
+    verdict = pl.col("verdict").fill_null(
+        pl.when(pl.col("note").is_not_null()).then(pl.lit("not measured")).otherwise(pl.lit("no interval")))
+    return findings.select(
+        "finding", pl.col("fn_class").alias("class"),
+        with_interval("value", "ci_lo", "ci_hi").alias("value [95%]"), "threshold",
+        with_interval("null_value", "null_ci_lo", "null_ci_hi").alias("null [95%]"),
+        pl.col("null_outcome").alias("vs null"),
+        (pl.col("control").fill_null("—") + pl.lit(" ") + with_interval("control_value", "control_ci_lo", "control_ci_hi")
+         ).alias("tokenwise control [95%]"),
+        pl.col("control_outcome").alias("vs control"), verdict.alias("verdict"))
 
 
 # ---- comparison ---------------------------------------------------------------------------------

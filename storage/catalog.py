@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     import polars as pl
 
 from updatelens import CODE_VERSION, schemas
-from updatelens.bootstrap import GEOMETRY_STATISTICS
-from updatelens.findings import FINDINGS, STATISTICS, Finding
-from updatelens.stages import SWEEP_TABLES, TABLES
+from updatelens.findings import FINDINGS, GEOMETRY_STATISTICS, STATISTICS, Finding
+from updatelens.schemas import CONTROL_PREFIX
+from updatelens.stages import STUDY_TABLES, SWEEP_TABLES, TABLES
 from updatelens.storage.integrity import QUARANTINE, Damaged, scan
 from updatelens.storage.layout import (
     CONVERGENCE,
@@ -105,6 +105,7 @@ ALTERNATIVE_MEASURES = (
     ("1 map", "1", "alignment form", "map: cos(y, T(x))", "update: cos(y - x, T(x) - x)"),
     ("2 angle vs tok", "2 angle", "angle reference", "against Δ_tok", "against Δ_full"),
     ("4 norm", "4", "error measure", "‖r‖", "relative error"),
+    ("6 inner", "6", "edge layers", "without the two first and two last", "every layer"),
 )
 
 # The paper's findings, declared in `updatelens.findings` (claim, measure, threshold and its source),
@@ -161,9 +162,14 @@ WITH stats AS ({stats}),
 b AS (
     SELECT stats.*,
            max(model_layers) OVER (PARTITION BY model, config_id) AS n_layers,
-           -- finding 6's null: the depth labels of the analysed layers in a random order, one order per
-           -- replicate (deterministic: ordered by a hash of the layer and the replicate)
-           list_sort(list(layer) OVER w)[row_number() OVER (w ORDER BY hash(layer, replicate, 'perm'))] AS perm_layer
+           -- finding 6's null: the depth labels of the analysed layers shifted round by an offset of 1 to
+           -- n - 1 places, one offset per replicate (deterministic: a hash of the replicate). A circular
+           -- shift keeps neighbouring layers together (their statistics are correlated), which a free
+           -- permutation would scatter, so the null keeps the depth profile's smoothness
+           list_sort(list(layer) OVER w)[
+               ((row_number() OVER (w ORDER BY layer) - 1
+                 + 1 + CAST(hash(replicate, 'shift') % CAST(greatest(count(*) OVER w - 1, 1) AS UBIGINT) AS BIGINT))
+                % count(*) OVER w) + 1] AS perm_layer
     FROM stats
     WINDOW w AS (PARTITION BY model, config_id, fn_class, replicate)
 ), f AS (
@@ -172,6 +178,14 @@ b AS (
 SELECT * FROM f
 """
 
+# Each finding against its threshold, its null and its positive controls (docs/method.md, "Verdicts"):
+# `threshold_outcome` (clears / misses / straddles: where the value's interval lies against the bound),
+# `null_outcome` (beyond / opposite / indistinct: where the interval of the value minus its null lies,
+# resample by resample), and per positive control (self_only, linear: the same finding over the
+# control's tables, `{controls}`) its value, interval and the interval of the real value minus the
+# control's (the same resamples: the control is measured on the same documents). The verdict's
+# control is self_only where it exists, else linear (`control`, `control_threshold_outcome`,
+# `control_outcome`: separates / same).
 FINDINGS_BY_CLASS_SQL = """
 CREATE OR REPLACE VIEW {name} AS
 WITH f AS (SELECT * FROM {replicates}),
@@ -179,6 +193,7 @@ summary AS (
     SELECT model, config_id, fn_class, finding, any_value(statement) AS statement, any_value(measure) AS measure,
            any_value(threshold) AS threshold, any_value(op) AS op, any_value(bound) AS bound,
            any_value(threshold_source) AS threshold_source, any_value(null_source) AS null_source,
+           any_value(control_role) AS control_role,
            any_value(layers) FILTER (WHERE replicate = -1) AS layers, any_value(n_layers) AS n_layers,
            any_value(note) FILTER (WHERE replicate = -1) AS note,
            max(value) FILTER (WHERE replicate = -1) AS value,
@@ -193,21 +208,84 @@ summary AS (
            quantile_cont(value - null_value, 0.975) FILTER (WHERE replicate >= 0) AS diff_ci_hi,
            count(value) FILTER (WHERE replicate >= 0) AS n_resamples
     FROM f GROUP BY model, config_id, fn_class, finding
+),
+ctl AS (
+    SELECT c.model, c.config_id, c.fn_class, c.finding, c.control,
+           max(c.value) FILTER (WHERE c.replicate = -1) AS value,
+           quantile_cont(c.value, 0.025) FILTER (WHERE c.replicate >= 0) AS ci_lo,
+           quantile_cont(c.value, 0.975) FILTER (WHERE c.replicate >= 0) AS ci_hi,
+           quantile_cont(f.value - c.value, 0.025) FILTER (WHERE c.replicate >= 0) AS diff_ci_lo,
+           quantile_cont(f.value - c.value, 0.975) FILTER (WHERE c.replicate >= 0) AS diff_ci_hi
+    FROM ({controls}) c JOIN f USING (model, config_id, fn_class, finding, replicate)
+    GROUP BY c.model, c.config_id, c.fn_class, c.finding, c.control
+),
+paired AS (
+    SELECT s.*,
+           so.value AS self_only_value, so.ci_lo AS self_only_ci_lo, so.ci_hi AS self_only_ci_hi,
+           so.diff_ci_lo AS self_only_diff_ci_lo, so.diff_ci_hi AS self_only_diff_ci_hi,
+           li.value AS linear_value, li.ci_lo AS linear_ci_lo, li.ci_hi AS linear_ci_hi,
+           li.diff_ci_lo AS linear_diff_ci_lo, li.diff_ci_hi AS linear_diff_ci_hi,
+           pc.control, pc.value AS control_value, pc.ci_lo AS control_ci_lo, pc.ci_hi AS control_ci_hi,
+           pc.diff_ci_lo AS control_diff_ci_lo, pc.diff_ci_hi AS control_diff_ci_hi
+    FROM summary s
+    LEFT JOIN ctl so ON so.model = s.model AND so.config_id = s.config_id AND so.fn_class = s.fn_class
+         AND so.finding = s.finding AND so.control = 'self_only' AND so.ci_lo IS NOT NULL
+    LEFT JOIN ctl li ON li.model = s.model AND li.config_id = s.config_id AND li.fn_class = s.fn_class
+         AND li.finding = s.finding AND li.control = 'linear' AND li.ci_lo IS NOT NULL
+    LEFT JOIN ctl pc ON pc.model = s.model AND pc.config_id = s.config_id AND pc.fn_class = s.fn_class
+         AND pc.finding = s.finding AND pc.ci_lo IS NOT NULL
+         AND pc.control = CASE WHEN so.control IS NOT NULL THEN 'self_only' ELSE 'linear' END
+),
+outcomes AS (
+    SELECT *,
+           CASE WHEN ci_lo IS NULL OR ci_hi IS NULL THEN NULL
+                WHEN (op = '>=' AND ci_lo >= bound) OR (op = '<=' AND ci_hi <= bound) THEN 'clears'
+                WHEN (op = '>=' AND ci_hi < bound) OR (op = '<=' AND ci_lo > bound) THEN 'misses'
+                ELSE 'straddles' END AS threshold_outcome,
+           CASE WHEN diff_ci_lo IS NULL OR diff_ci_hi IS NULL THEN NULL
+                WHEN (op = '>=' AND diff_ci_lo > 0) OR (op = '<=' AND diff_ci_hi < 0) THEN 'beyond'
+                WHEN (op = '>=' AND diff_ci_hi < 0) OR (op = '<=' AND diff_ci_lo > 0) THEN 'opposite'
+                ELSE 'indistinct' END AS null_outcome,
+           CASE WHEN control_role IN ('none', 'reference') OR control_ci_lo IS NULL THEN NULL
+                WHEN (op = '>=' AND control_ci_lo >= bound) OR (op = '<=' AND control_ci_hi <= bound) THEN 'clears'
+                WHEN (op = '>=' AND control_ci_hi < bound) OR (op = '<=' AND control_ci_lo > bound) THEN 'misses'
+                ELSE 'straddles' END AS control_threshold_outcome,
+           CASE WHEN control_role IN ('none', 'reference') OR control_diff_ci_lo IS NULL THEN NULL
+                WHEN control_diff_ci_lo > 0 OR control_diff_ci_hi < 0 THEN 'separates'
+                ELSE 'same' END AS control_outcome
+    FROM paired
 )
 SELECT model, config_id, fn_class, finding, statement, measure, value, threshold,
        CASE op WHEN '>=' THEN value >= bound AND value > null_value
                ELSE value <= bound AND value < null_value END AS holds,
        ci_lo, ci_hi, null_value, null_ci_lo, null_ci_hi, diff_ci_lo, diff_ci_hi, n_resamples,
-       CASE WHEN ci_lo IS NULL OR ci_hi IS NULL THEN NULL
-            WHEN (op = '>=' AND ci_hi < bound) OR (op = '<=' AND ci_lo > bound) THEN 'fails'
-            WHEN NOT ((op = '>=' AND ci_lo >= bound) OR (op = '<=' AND ci_hi <= bound)) THEN 'undecided'
-            WHEN diff_ci_lo IS NULL OR diff_ci_hi IS NULL THEN 'undecided'
-            WHEN (op = '>=' AND diff_ci_lo > 0) OR (op = '<=' AND diff_ci_hi < 0) THEN 'holds'
+       CASE WHEN threshold_outcome IS NULL THEN NULL
+            WHEN control_role = 'positive' AND (control_threshold_outcome <> 'clears'
+                 OR (control_outcome = 'same' AND NOT (threshold_outcome = 'clears' AND null_outcome = 'beyond')))
+                 THEN 'estimator-limited'
+            WHEN control_role = 'floor' AND control_outcome = 'same' THEN 'estimator-limited'
+            WHEN null_outcome = 'opposite' THEN 'opposite'
+            WHEN threshold_outcome = 'clears' AND null_outcome = 'beyond' THEN 'holds'
+            WHEN threshold_outcome = 'misses' THEN 'fails'
+            WHEN threshold_outcome = 'straddles' OR null_outcome IS NULL THEN 'undecided'
             ELSE 'indistinct' END AS verdict,
+       threshold_outcome, null_outcome, control_role, control, control_value, control_ci_lo, control_ci_hi,
+       control_diff_ci_lo, control_diff_ci_hi, control_threshold_outcome, control_outcome,
+       self_only_value, self_only_ci_lo, self_only_ci_hi, self_only_diff_ci_lo, self_only_diff_ci_hi,
+       linear_value, linear_ci_lo, linear_ci_hi, linear_diff_ci_lo, linear_diff_ci_hi,
        threshold_source, null_source, layers, n_layers, note
-FROM summary
+FROM outcomes
 ORDER BY model, config_id, fn_class, finding
 """
+
+# No positive controls in a family (sweeps): the relation of control replicates, empty.
+NO_CONTROLS = ("SELECT NULL::VARCHAR AS model, NULL::VARCHAR AS config_id, NULL::VARCHAR AS control, "
+               "NULL::VARCHAR AS fn_class, NULL::VARCHAR AS finding, NULL::INTEGER AS replicate, "
+               "NULL::DOUBLE AS value WHERE false")
+# The control family keys each control as a configuration of its own (`<config_id>/<control>`), so the
+# findings are rendered over it unchanged; here the key is split back.
+CONTROL_REPLICATES = ("SELECT model, split_part(config_id, '/', 1) AS config_id, split_part(config_id, '/', 2) AS control, "
+                      "fn_class, finding, replicate, value FROM {prefix}control_finding_replicates")
 
 FINDINGS_SQL = """
 CREATE OR REPLACE VIEW {name} AS
@@ -401,7 +479,8 @@ def _finding_select(f: Finding) -> str:
     constants = (f"{_sql_string(f.id)} AS finding, {_sql_string(f.claim)} AS statement, "
                  f"{_sql_string(f.measure)} AS measure, {_sql_string(f.threshold)} AS threshold, "
                  f"{_sql_string(f.op)} AS op, CAST({f.bound!r} AS DOUBLE) AS bound, "
-                 f"{_sql_string(f.source)} AS threshold_source, {_sql_string(f.null_source)} AS null_source")
+                 f"{_sql_string(f.source)} AS threshold_source, {_sql_string(f.null_source)} AS null_source, "
+                 f"{_sql_string(f.control_role)} AS control_role")
     covered = f"({f.coverage})"
     note = (f"CASE WHEN NOT {covered} THEN {_sql_string(f.coverage_note)} || ' (layers analysed: ' || "
             f"array_to_string(list_sort(list(DISTINCT layer)), ',') || ' of ' || any_value(n_layers) || ')' END")
@@ -423,8 +502,9 @@ def findings_select() -> str:
     return "\n    UNION ALL\n".join(_finding_select(f) for f in FINDINGS)
 
 
-def findings_sql(prefix: str = "", with_replicates: bool = False) -> list[str]:
-    """The findings views of one family; with its bootstrap tables, the `layer_replicates` view too."""
+def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str = NO_CONTROLS) -> list[str]:
+    """The findings views of one family; with its bootstrap tables, the `layer_replicates` view too.
+    `controls`: the relation of the family's positive controls' finding replicates (none: empty)."""
     columns = ", ".join(f"ls.{c}" for c in STATISTICS)
     stats = POINT_STATS_SQL.format(columns=columns, layer_summary=f"{prefix}layer_summary", spectra=f"{prefix}spectra")
     statements = []
@@ -440,7 +520,8 @@ def findings_sql(prefix: str = "", with_replicates: bool = False) -> list[str]:
         stats += f" UNION ALL BY NAME SELECT * FROM {prefix}layer_replicates"
     return [*statements,
             FINDING_REPLICATES_SQL.format(name=f"{prefix}finding_replicates", stats=stats, findings=findings_select()),
-            FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", replicates=f"{prefix}finding_replicates"),
+            FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", replicates=f"{prefix}finding_replicates",
+                                         controls=controls),
             FINDINGS_SQL.format(name=f"{prefix}findings", by_class=f"{prefix}findings_by_class",
                                 layer_summary=f"{prefix}layer_summary")]
 
@@ -455,7 +536,10 @@ DERIVED_VIEWS = ("layer_summary", "layer_replicates", "layer_bands", "finding_re
                  "findings")
 # the derived relations computed into tables (FINDING_REPLICATES_SQL), per family prefix
 DERIVED_TABLES = ("finding_replicates",)
-FAMILY_PREFIXES = ("", "sweep_", "conv_")
+FAMILY_PREFIXES = ("", "sweep_", "conv_", "control_", "conv_control_")
+# the positive controls' tables (updatelens.controls): the geometry stage's tables, one per control
+CONTROL_TABLES = tuple(t for t in TABLES if t.startswith(CONTROL_PREFIX))
+PLAIN_TABLES = tuple(t for t in TABLES if t not in CONTROL_TABLES)
 
 
 def _one(con: duckdb.DuckDBPyConnection, sql: str, params: list[object] | None = None) -> tuple[Any, ...]:
@@ -473,7 +557,8 @@ def _drop(con: duckdb.DuckDBPyConnection, name: str) -> None:
     con.execute(f"DROP VIEW IF EXISTS {name}")
 
 
-def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: str) -> list[str]:
+def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: str,
+                   controls: str = NO_CONTROLS) -> list[str]:
     """layer_summary, findings_by_class and findings over one family of tables (main or sweep_).
     Where every stored file of a table predates a column the derived views read (results of an older
     version, all stale, while a run recomputes them), the derived views are left out until the
@@ -486,7 +571,7 @@ def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: st
         if {"geometry", "functional_summary", "spectra"} <= present:
             replicates = {"geometry_bootstrap", "functional_bootstrap"} <= present
             _drop(con, f"{prefix}finding_replicates")  # a table now: an older catalog's view goes first
-            for statement in findings_sql(prefix, replicates):
+            for statement in findings_sql(prefix, replicates, controls):
                 con.execute(statement)
             views += [f"{prefix}layer_replicates", f"{prefix}layer_bands"] * replicates + [f"{prefix}finding_replicates",
                                                                    f"{prefix}findings_by_class", f"{prefix}findings"]
@@ -531,6 +616,31 @@ def _family_views(con: duckdb.DuckDBPyConnection, good: dict[str, list[str]], ta
         else:
             con.execute(f"DROP VIEW IF EXISTS {prefix}{table}")
     return present
+
+
+def _control_family(con: duckdb.DuckDBPyConnection, files: dict[str, list[str]], present: set[str], prefix: str,
+                    hive: str, exclude: str = "") -> tuple[list[str], str]:
+    """The positive controls' views of one family (main: prefix "", convergence: "conv_"): one view per
+    control table, keyed `<config_id>/<control>` (so the findings render over them unchanged), the
+    findings over them (`{prefix}control_findings_by_class`, ...), and the relation of their finding
+    replicates for the family's own findings (NO_CONTROLS where there are none)."""
+    select = f"* {exclude} REPLACE (config_id || '/' || control AS config_id)"
+    made = _family_views(con, files, CONTROL_TABLES, prefix, hive, select)
+    family = {t[len(CONTROL_PREFIX):] for t in made}
+    for table in ("functional_summary", "functional_bootstrap"):  # no KL is measured on a control
+        if table in present:
+            con.execute(f"CREATE OR REPLACE VIEW {prefix}{CONTROL_PREFIX}{table} AS SELECT * FROM {prefix}{table} WHERE false")
+            family.add(table)
+        else:
+            con.execute(f"DROP VIEW IF EXISTS {prefix}{CONTROL_PREFIX}{table}")
+    views = [f"{prefix}{t}" for t in CONTROL_TABLES if t in made]
+    derived = _create_family(con, family, f"{prefix}{CONTROL_PREFIX}") if made else []
+    for name in DERIVED_VIEWS:
+        if f"{prefix}{CONTROL_PREFIX}{name}" not in derived:
+            _drop(con, f"{prefix}{CONTROL_PREFIX}{name}")
+    controls = (CONTROL_REPLICATES.format(prefix=prefix) if f"{prefix}{CONTROL_PREFIX}finding_replicates" in derived
+                else NO_CONTROLS)
+    return views + derived, controls
 
 
 def _create_view(con: duckdb.DuckDBPyConnection, name: str, files: list[str], sql: Callable[[list[str]], str]) -> bool:
@@ -581,7 +691,7 @@ def missing_text(root: str | Path, good: dict[str, list[str]]) -> list[Damaged]:
 def verify_root(root: str | Path, full: bool = False) -> Verified:
     """Every partition file of every family under the root, checked (storage.integrity; `full`: every
     checksum recomputed, as `updatelens verify` does)."""
-    main, damaged = scan(root, TABLES, full=full)
+    main, damaged = scan(root, TABLES + STUDY_TABLES, full=full)
     sweeps, sweep_damaged = scan(root, SWEEP_TABLES, f"{SWEEPS}/config=*/", full)
     convergence, conv_damaged = scan(root, TABLES, f"{CONVERGENCE}/n_seq=*/", full)
     return Verified(main, sweeps, convergence, damaged + sweep_damaged + conv_damaged, missing_text(root, main))
@@ -599,7 +709,7 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[lis
     if not is_local(root):
         con.register_filesystem(root.fs)
     verified = verify_root(root)
-    present = _family_views(con, verified.main, TABLES, "", MAIN_HIVE)
+    present = _family_views(con, verified.main, PLAIN_TABLES + STUDY_TABLES, "", MAIN_HIVE)
     if "tokens" in present:
         for table in (t for t in WITH_TEXT if t in present):
             _create_view(con, table, verified.main[table], functools.partial(_text_view, table, hive_types=MAIN_HIVE))
@@ -610,11 +720,14 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[lis
         con.execute(f"CREATE OR REPLACE VIEW sweep_runs AS SELECT * FROM read_parquet([{listed}], union_by_name = true)")
     else:
         con.execute("DROP VIEW IF EXISTS sweep_runs")
-    views = [t for t in TABLES if t in present] + _create_family(con, present, "")
+    control_views, controls = _control_family(con, verified.main, present, "", MAIN_HIVE)
+    views = [t for t in PLAIN_TABLES + STUDY_TABLES if t in present] + control_views + _create_family(con, present, "", controls)
     views += [f"sweep_{t}" for t in SWEEP_TABLES if t in swept] + _create_family(con, swept, "sweep_")
     conv_files = {t: f for t, f in verified.convergence.items() if t != "activations"}  # results, not states
-    converged = _family_views(con, conv_files, TABLES, "conv_", CONV_HIVE, "* EXCLUDE (n_seq)")
-    views += [f"conv_{t}" for t in TABLES if t in converged] + _create_family(con, converged, "conv_")
+    converged = _family_views(con, conv_files, PLAIN_TABLES, "conv_", CONV_HIVE, "* EXCLUDE (n_seq)")
+    conv_control_views, conv_controls = _control_family(con, conv_files, converged, "conv_", CONV_HIVE, "EXCLUDE (n_seq)")
+    views += ([f"conv_{t}" for t in PLAIN_TABLES if t in converged] + conv_control_views
+              + _create_family(con, converged, "conv_", conv_controls))
     if "findings" in views:
         con.execute(ACROSS_MODELS_SQL)
         views.append("findings_across_models")
@@ -631,7 +744,9 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[lis
     else:
         con.execute("DROP VIEW IF EXISTS sensitivity")
     con.execute(damaged_view_sql(verified.damaged + verified.missing_text))
-    families = (("", present, TABLES), ("sweep_", swept, SWEEP_TABLES), ("conv_", converged, TABLES))
+    made_controls = {t for t in CONTROL_TABLES if t in control_views}
+    families = (("", present | made_controls, TABLES + STUDY_TABLES), ("sweep_", swept, SWEEP_TABLES),
+                ("conv_", converged, PLAIN_TABLES))
     _comment(con, {f"{prefix}{t}": t for prefix, made, tables in families for t in tables if t in made})
     read = [f for family in (verified.main, verified.sweeps, conv_files) for files in family.values() for f in files]
     return [*views, "damaged_partitions"], read + runs

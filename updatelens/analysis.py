@@ -16,7 +16,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from updatelens.bootstrap import (
-    TOKEN_STATISTICS,
     ResampledGrams,
     effective_ranks_of,
     geometry_replicates,
@@ -27,6 +26,7 @@ from updatelens.bootstrap import (
 from updatelens.capture import Captured, capture, kept_mask
 from updatelens.config import LOCAL_CLASSES, AnalysisConfig
 from updatelens.corpus import Sample
+from updatelens.findings import TOKEN_STATISTICS
 from updatelens.fits import LayerFit, fit_layer
 from updatelens.geometry import (
     Subspace,
@@ -59,10 +59,12 @@ def provenance(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig) -> Provenan
 
 # ---- stage 1: activations -----------------------------------------------------------------------
 def activation_rows(states: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray, layer: int,
-                    cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray, seq_offset: int = 0) -> pa.Table:
+                    cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray, seq_offset: int = 0,
+                    self_only: np.ndarray | None = None) -> pa.Table:
     """Transition l for a batch of sequences: x = h_l, y = h_{l+1}, every position (kept flags the
     ones in statistics). `states` [L+1, b, T, d]; the rows are sequences seq_offset.. of the sample,
-    `docs` [b] the document each was cut from."""
+    `docs` [b] the document each was cut from; `self_only` [b, T, d]: block l with each token
+    attending to itself alone (null where not made: an architecture without attention, or not asked)."""
     n_seq, seq_len = input_ids.shape
     kept = kept_mask(attention_mask, cfg.skip_first_position)
     d = states.shape[-1]
@@ -75,6 +77,8 @@ def activation_rows(states: np.ndarray, input_ids: np.ndarray, attention_mask: n
         "kept": pa.array(kept.reshape(-1)),
         "x": vector_column(states[layer].reshape(-1, d)),
         "y": vector_column(states[layer + 1].reshape(-1, d)),
+        "y_self": (vector_column(self_only.reshape(-1, d)) if self_only is not None
+                   else pa.nulls(n_seq * seq_len, pa.list_(pa.float32(), d))),
     }
     return with_provenance(cols, prov, layer)
 
@@ -335,13 +339,17 @@ class LayerGeometry:
     resample for the spectra), `finish`, then `token_table` every block (per-token geometry against
     the dominant tokenwise subspace); `spectra_table` and `bootstrap_table` once at the end."""
 
-    def __init__(self, cfg: AnalysisConfig, classes: list[str], d: int, docs: np.ndarray) -> None:
+    def __init__(self, cfg: AnalysisConfig, classes: list[str], d: int, docs: np.ndarray,
+                 null_spectra: bool = True) -> None:
+        """`null_spectra`: also the spectra of the null's Δ_full and r (finding 3's null); a positive
+        control, whose null no verdict reads, leaves them out (their ranks are NaN)."""
         self.cfg = cfg
         self.counts = resample_counts(cfg, docs)
         self.n_spec = min(cfg.bootstrap_spectra, cfg.bootstrap)
-        self.grams = {(c, w): np.zeros((d, d)) for c in classes for w in WHICH + NULL_WHICH}
+        self.which = WHICH + NULL_WHICH if null_spectra else WHICH
+        self.grams = {(c, w): np.zeros((d, d)) for c in classes for w in self.which}
         self.replicate_grams = {(c, w): ResampledGrams(self.counts[: self.n_spec], d)
-                                for c in classes for w in WHICH + NULL_WHICH}
+                                for c in classes for w in self.which}
         self.n_rows = 0
         self.subspaces: dict[str, Subspace] = {}
         self.scalars: dict[str, list[dict[str, np.ndarray]]] = {c: [] for c in classes}
@@ -353,8 +361,8 @@ class LayerGeometry:
         for fn_class, fit in fits.items():
             dec = decompose(data.x, data.y, fit.tx)
             null = null_residual(dec, directions)
-            for which, v in zip(WHICH + NULL_WHICH, (dec.delta_full, dec.delta_tok, dec.residual,
-                                                     null.delta_full, null.residual)):
+            for which, v in zip(self.which, (dec.delta_full, dec.delta_tok, dec.residual,
+                                             null.delta_full, null.residual)):
                 self.grams[(fn_class, which)] += v.T @ v
                 self.replicate_grams[(fn_class, which)].add(v, seq)
 
@@ -406,7 +414,7 @@ class LayerGeometry:
         """The findings' per-layer statistics on every resample (`geometry_bootstrap`)."""
         parts = []
         b = self.cfg.bootstrap
-        keys = [(c, w) for c in self.scalars for w in WHICH + NULL_WHICH]
+        keys = [(c, w) for c in self.scalars for w in self.which]
         spectra_ranks = dict(zip(keys, effective_ranks_of([self.replicate_grams[key] for key in keys])))
         for fn_class, blocks in self.scalars.items():
             merged = {k: np.concatenate([blk[k] for blk in blocks]) for k in blocks[0]}
@@ -416,7 +424,7 @@ class LayerGeometry:
                          for k, v in geometry_replicates(merged["seq"], merged, self.counts).items()})
             for which in WHICH + NULL_WHICH:
                 ranks = np.full(b, np.nan)
-                if self.n_spec:
+                if self.n_spec and which in self.which:
                     ranks[: self.n_spec] = spectra_ranks[(fn_class, which)]
                 cols[f"rank_{which}"] = pa.array(ranks, pa.float64(), from_pandas=True)
             parts.append(with_provenance(cols, prov, layer))
@@ -424,10 +432,10 @@ class LayerGeometry:
 
 
 def geometry_tables(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConfig,
-                    prov: Provenance) -> tuple[pa.Table, pa.Table, pa.Table]:
+                    prov: Provenance, null_spectra: bool = True) -> tuple[pa.Table, pa.Table, pa.Table]:
     """Per-token geometry, the per-layer singular spectra of Δ_full, Δ_tok and r, and the per-layer
     statistics of the findings on every bootstrap resample of the sequences: a whole layer in memory."""
-    geo = LayerGeometry(cfg, list(fits), data.x_full.shape[-1], sample_docs(data))
+    geo = LayerGeometry(cfg, list(fits), data.x_full.shape[-1], sample_docs(data), null_spectra)
     geo.accumulate(data, fits)
     geo.finish()
     tokens = geo.token_table(data, fits, prov)

@@ -19,6 +19,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from updatelens.findings import GEOMETRY_STATISTIC_DEFS, GEOMETRY_STATISTICS
 from updatelens.threads import per_core_map
 
 
@@ -112,26 +113,6 @@ def replicate_grams(v: np.ndarray, seq: np.ndarray, counts: np.ndarray, block: i
         grams = np.stack([v[bounds[j] : bounds[j + 1]].T @ v[bounds[j] : bounds[j + 1]] for j in chunk])
         out += (counts[:, seqs[list(chunk)]] @ grams.reshape(len(grams), d * d)).reshape(-1, d, d)
     return out
-
-
-# The per-layer geometry statistics of the findings, as `layer_summary` defines them: (statistic,
-# per-token column, how it aggregates). The `_null` ones are the same measures on the random-direction
-# residual of the same length (geometry.null_metrics).
-GEOMETRY_STATISTIC_DEFS: tuple[tuple[str, str, str], ...] = (
-    ("rel_err_median", "rel_err", "median"),
-    ("cos_full_tok_median", "cos_full_tok", "median"),
-    ("cos_full_tok_map_median", "cos_full_tok_map", "median"),
-    ("frac_res_angle_gt60", "angle_full_res", "share_gt60"),
-    ("frac_res_tok_angle_gt60", "angle_tok_res", "share_gt60"),
-    ("proj_res_m16", "proj_res_m16", "mean"),
-    ("cos_full_tok_median_null", "cos_full_tok_null", "median"),
-    ("cos_full_tok_map_median_null", "cos_full_tok_map_null", "median"),
-    ("frac_res_angle_gt60_null", "angle_full_res_null", "share_gt60"),
-    ("frac_res_tok_angle_gt60_null", "angle_tok_res_null", "share_gt60"),
-    ("proj_res_m16_null", "proj_null_m16", "mean"),
-)
-GEOMETRY_STATISTICS: tuple[str, ...] = tuple(name for name, _, _ in GEOMETRY_STATISTIC_DEFS)
-TOKEN_STATISTICS: tuple[str, ...] = tuple(dict.fromkeys(column for _, column, _ in GEOMETRY_STATISTIC_DEFS))
 
 
 def geometry_replicates(seq: np.ndarray, metrics: dict[str, np.ndarray], counts: np.ndarray) -> dict[str, np.ndarray]:

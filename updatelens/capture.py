@@ -6,14 +6,16 @@ the forward pass fails. Each captured tensor leaves the model device at once.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
+from updatelens.errors import ModelError
 from updatelens.models import LoadedModel
 from updatelens.progress import Progress, progress
 
@@ -73,6 +75,9 @@ class CapturedBatch:
     input_ids: np.ndarray  # [b, seq_len]
     attention_mask: np.ndarray  # [b, seq_len]
     block_returns_tuple: bool
+    # block l run on h_l with each token attending to itself alone (the positive control), per layer
+    # asked for: [b, seq_len, d] float32
+    self_only: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 class _StopForward(Exception):
@@ -97,11 +102,17 @@ def stop_after_block(blocks: nn.ModuleList, last: int) -> Iterator[None]:
 
 
 def capture_batches(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.ndarray,
-                    batch_size: int = 8, last_block: int | None = None) -> Iterator[CapturedBatch]:
+                    batch_size: int = 8, last_block: int | None = None,
+                    self_only: Iterable[int] = ()) -> Iterator[CapturedBatch]:
     """Run the sample through the model a batch at a time, yielding each batch's states: memory
     holds one batch (L+1 x b x seq_len x d), whatever the sample size. With `last_block`, each
     forward stops after that block (transition l needs blocks 0..l only) and the states after it
-    are absent (shape [last_block + 2, ...])."""
+    are absent (shape [last_block + 2, ...]). For each layer in `self_only` the batch also carries
+    block l run again on h_l with each token attending to itself alone (`self_only_outputs`)."""
+    self_only = sorted(set(self_only))
+    if self_only and not lm.self_attention:
+        raise ModelError(f"{lm.slug}: the self-only block control needs attention blocks (adapter {lm.adapter!r} "
+                         f"has none that take a mask)")
     last = lm.n_layers - 1 if last_block is None else last_block
     if not lm.allows_padding and not np.all(attention_mask == 1):
         raise ValueError(f"{lm.slug}: this architecture has no attention mask; pass unpadded windows")
@@ -123,13 +134,100 @@ def capture_batches(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.n
                 ids = torch.as_tensor(input_ids[start : start + batch_size], device=device)
                 mask = torch.as_tensor(attention_mask[start : start + batch_size], device=device)
                 kwargs = {"attention_mask": mask} if lm.allows_padding else {}
-                with torch.inference_mode(), record_block_states(lm.blocks, sink), stop_after_block(lm.blocks, last):
+                calls: dict[int, tuple[tuple, dict]] = {}
+                with torch.inference_mode(), record_block_states(lm.blocks, sink), \
+                        record_block_calls(lm.blocks, self_only, calls), stop_after_block(lm.blocks, last):
                     lm.model(input_ids=ids, use_cache=False, **kwargs)
                 states = np.stack([chunks[0].numpy() for chunks in sink[: last + 2]])
+                alone = self_only_outputs(lm, states, calls, verify=start == 0)
                 yield CapturedBatch(start, states, input_ids[start : start + batch_size],
-                                    attention_mask[start : start + batch_size], returns_tuple)
+                                    attention_mask[start : start + batch_size], returns_tuple, alone)
     finally:
         probe_handle.remove()
+
+
+@contextmanager
+def record_block_calls(blocks: nn.ModuleList, layers: Iterable[int], calls: dict[int, tuple[tuple, dict]]) -> Iterator[None]:
+    """calls[l] receives the arguments block l was called with (after its hidden-state input): the
+    masks, position embeddings and positions the model built for it."""
+    def make_hook(index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            # by name, whether the model passed them by position (GPT-2's mask) or by keyword
+            signature = inspect.signature(module.forward)
+            bound = signature.bind(*args, **kwargs).arguments
+            named: dict[str, object] = {}
+            for position, (key, value) in enumerate(bound.items()):
+                if position == 0:
+                    continue  # the hidden states
+                if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD:
+                    named.update(value)
+                elif signature.parameters[key].kind is not inspect.Parameter.VAR_POSITIONAL:
+                    named[key] = value
+            calls[index] = ((), named)
+
+        return hook
+
+    handles = [blocks[layer].register_forward_pre_hook(make_hook(layer), with_kwargs=True) for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def self_only_mask(given: object, batch: int, seq_len: int, implementation: str, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """The 4D attention mask [batch, 1, T, T] that lets each position attend to itself alone, in the
+    form the model's attention takes: boolean (True: attend) where it was given a boolean mask or
+    runs SDPA without one (causal by flag), additive (0 on the diagonal, the dtype's minimum
+    elsewhere) where it was given a float mask or runs eager attention."""
+    eye = torch.eye(seq_len, dtype=torch.bool, device=device).expand(batch, 1, seq_len, seq_len)
+    if isinstance(given, torch.Tensor):
+        boolean = given.dtype == torch.bool
+    elif given is None:
+        if implementation not in ("sdpa", "eager"):
+            raise ModelError(f"the self-only block control needs eager or sdpa attention, not {implementation!r}")
+        boolean = implementation == "sdpa"
+    else:
+        raise ModelError(f"the self-only block control needs a tensor attention mask; the model passes "
+                         f"{type(given).__name__} to its blocks")
+    if boolean:
+        return eye.contiguous()
+    return torch.where(eye, torch.zeros((), dtype=dtype, device=device),
+                       torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device))
+
+
+def self_only_outputs(lm: LoadedModel, states: np.ndarray, calls: dict[int, tuple[tuple, dict]],
+                      verify: bool = False) -> dict[int, np.ndarray]:
+    """Block l on h_l (states[l]) with every token attending to itself alone, for each layer in
+    `calls`, with the arguments the model gave the block (norms, MLP, position embeddings and
+    nonlinearity all the model's own): in an attention block attention is the only path between
+    tokens, so this maps each token by itself: tokenwise by construction (docs/method.md, "Positive
+    controls"). Called through `forward`, so no hook of the capture sees these calls. `verify`
+    runs each block once more on the positions in reverse order and raises unless every token's
+    output is the same (the mask was honoured)."""
+    out: dict[int, np.ndarray] = {}
+    implementation = str(getattr(lm.model.config, "_attn_implementation", "") or "")
+    device = lm.device
+    dtype = next(lm.model.parameters()).dtype
+    for layer, (args, kwargs) in sorted(calls.items()):
+        x = torch.as_tensor(states[layer], device=device, dtype=dtype)
+        b, t = x.shape[:2]
+        given = dict(kwargs)
+        given["attention_mask"] = self_only_mask(kwargs.get("attention_mask"), b, t, implementation, dtype, device)
+        with torch.inference_mode():
+            y = first_tensor(lm.blocks[layer].forward(x, *args, **given)).to("cpu", torch.float32).numpy()
+            if verify:
+                flipped = first_tensor(lm.blocks[layer].forward(x.flip(1), *args, **given)).flip(1)
+                scale = float(np.abs(y).max()) or 1.0
+                gap = float(np.abs(flipped.to("cpu", torch.float32).numpy() - y).max())
+                if not np.isfinite(gap) or gap > 1e-3 * scale:
+                    raise ModelError(f"{lm.slug} block {layer}: with each token attending to itself alone, a "
+                                     f"token's output still depends on the others (largest change {gap:.3g} when "
+                                     f"the positions are reversed): the model ignores a 4D attention mask, so "
+                                     f"the self-only control cannot be made")
+        out[layer] = y
+    return out
 
 
 @contextmanager

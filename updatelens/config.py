@@ -23,6 +23,11 @@ DTYPES = ("float64", "float32")
 # streams); all: every position patched at once; single: one position per pass on a subsample
 PATCH_MODES = ("auto", "exact", "all", "single")
 CONTROLS = ("random", "crude", "identity")
+# positive controls (docs/method.md, "Positive controls"): targets that are tokenwise by construction,
+# fitted and measured like the real update on the same neighbours. self_only: block l run with each
+# token attending to itself alone (attention architectures); linear: a ridge map x -> x + xB fitted to
+# the real update without the token's document
+POSITIVE_CONTROLS = ("self_only", "linear")
 # settings that change how the work is batched, never the numbers: left out of config_id
 EXECUTION_KEYS = ("anchor_chunk", "patch_batch", "capture_batch", "kl_block", "kl_budget_mb")
 
@@ -92,6 +97,9 @@ class AnalysisConfig:
     controls: tuple[str, ...] = ("random", "crude")
     control_class: str = ""  # class whose residual the controls use; "" = the last class listed
     crude_class: str = "diagonal"
+    # self_only by default (the linear control doubles the stage's cost: the calibration study runs
+    # both); where the architecture has no self-only block, the linear control stands in for it
+    positive_controls: tuple[str, ...] = ("self_only",)
     patch_batch: int = 8  # rows (variant x sequence) per patched forward pass (8: measured fastest on SmolLM2, CPU)
     # sequences whose unpatched distributions are held at once by the functional stage: its memory is
     # kl_block x seq_len x vocabulary x 4 bytes (SmolLM2: 16 x 128 x 49,152 x 4 = 403 MB), whatever n_seq
@@ -110,6 +118,7 @@ class AnalysisConfig:
         object.__setattr__(self, "classes", tuple(self.classes))
         object.__setattr__(self, "subspace_ms", tuple(int(m) for m in self.subspace_ms))
         object.__setattr__(self, "controls", tuple(self.controls))
+        object.__setattr__(self, "positive_controls", tuple(self.positive_controls))
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self, d_model: int | None = None, max_positions: int | None = None) -> None:
@@ -145,6 +154,11 @@ class AnalysisConfig:
         for c in self.controls:
             if c not in CONTROLS:
                 bad(f"unknown control {c!r}; choose from {', '.join(CONTROLS)}")
+        for c in self.positive_controls:
+            if c not in POSITIVE_CONTROLS:
+                bad(f"unknown positive control {c!r}; choose from {', '.join(POSITIVE_CONTROLS)}")
+        if len(set(self.positive_controls)) != len(self.positive_controls):
+            bad(f"positive_controls lists a control twice: {self.positive_controls}")
         if self.k < 1:
             bad(f"k must be >= 1, got {self.k}")
         n_kept_per_seq = self.seq_len - (1 if self.skip_first_position else 0)

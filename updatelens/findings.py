@@ -33,6 +33,27 @@ STATISTICS: tuple[str, ...] = ("rel_err_median", "cos_full_tok_median", "cos_ful
                                "frac_res_tok_angle_gt60_null", "proj_res_m16_null", "spearman_relerr_kl_null",
                                "spearman_normres_kl_null")
 
+# The per-layer geometry statistics of the findings, as `layer_summary` defines them: (statistic,
+# per-token column, how it aggregates). The `_null` ones are the same measures on the random-direction
+# residual of the same length (geometry.null_metrics); the
+# bootstrap (updatelens.bootstrap) recomputes them on every resample.
+GEOMETRY_STATISTIC_DEFS: tuple[tuple[str, str, str], ...] = (
+    ("rel_err_median", "rel_err", "median"),
+    ("cos_full_tok_median", "cos_full_tok", "median"),
+    ("cos_full_tok_map_median", "cos_full_tok_map", "median"),
+    ("frac_res_angle_gt60", "angle_full_res", "share_gt60"),
+    ("frac_res_tok_angle_gt60", "angle_tok_res", "share_gt60"),
+    ("proj_res_m16", "proj_res_m16", "mean"),
+    ("cos_full_tok_median_null", "cos_full_tok_null", "median"),
+    ("cos_full_tok_map_median_null", "cos_full_tok_map_null", "median"),
+    ("frac_res_angle_gt60_null", "angle_full_res_null", "share_gt60"),
+    ("frac_res_tok_angle_gt60_null", "angle_tok_res_null", "share_gt60"),
+    ("proj_res_m16_null", "proj_null_m16", "mean"),
+)
+GEOMETRY_STATISTICS: tuple[str, ...] = tuple(name for name, _, _ in GEOMETRY_STATISTIC_DEFS)
+TOKEN_STATISTICS: tuple[str, ...] = tuple(dict.fromkeys(column for _, column, _ in GEOMETRY_STATISTIC_DEFS))
+
+
 # Aggregates over layers need this many analysed layers (fewer: the finding is NULL, with a note).
 MIN_LAYERS = 2
 OVER_LAYERS = f"count(DISTINCT layer) >= {MIN_LAYERS}"
@@ -55,6 +76,16 @@ class Finding:
     scope: str = "class"  # "model": the value compares classes and is the same for each of them
     coverage: str = OVER_LAYERS  # SQL condition on the analysed layers under which the value is measured
     coverage_note: str = OVER_LAYERS_NOTE
+    # what the positive controls (targets tokenwise by construction, docs/method.md) are to this finding:
+    # "positive": the claim says the layer is tokenwise, so a tokenwise target must show it: where the
+    #   control misses the threshold, or the real value cannot be told from the control's, the estimator
+    #   cannot show the structure at this sample size (`estimator-limited`);
+    # "floor": the claim is about the residual, which a tokenwise target does not have: its value is
+    #   what the estimator's own error gives, and a real value that cannot be told from it says
+    #   nothing about the layer (`estimator-limited`);
+    # "reference": shown beside the value, not part of the verdict;
+    # "none": no control measures it (a KL needs patched passes the controls do not make).
+    control_role: str = "floor"
 
     @property
     def threshold(self) -> str:
@@ -63,16 +94,22 @@ class Finding:
 
 RANDOM_DIRECTION = "u a random unit vector per token (the random control's), so r keeps its length, not its direction"
 MIDDLE_GAP = ("avg(CASE WHEN {m} THEN rel_err_median END) - avg(CASE WHEN NOT ({m}) THEN rel_err_median END)")
+EDGE = "({layer} < 2 OR {layer} >= n_layers - 2)"  # the two first and two last layers of the model
+INNER_GAP = ("avg(CASE WHEN {m} THEN rel_err_median END) "
+             "- avg(CASE WHEN NOT ({m}) AND NOT {edge} THEN rel_err_median END)")
 
 FINDINGS: tuple[Finding, ...] = (
     Finding("1", "the full update is aligned with the tokenwise update",
             "median over layers of median cos(Δ_full, Δ_tok), update form", "median(cos_full_tok_median)", ">=", 0.9,
             "the paper says 'almost perfectly aligned (cosine near 1)'; 0.9 (about 26°) is UpdateLens's reading",
-            "median(cos_full_tok_median_null)", f"cos(Δ_tok + ‖r‖u, Δ_tok), {RANDOM_DIRECTION}"),
+            "median(cos_full_tok_median_null)", f"cos(Δ_tok + ‖r‖u, Δ_tok), {RANDOM_DIRECTION}",
+            control_role="positive"),
     Finding("1 map", "the full update is aligned with the tokenwise update",
             "median over layers of median cos(y, T(x)), map form", "median(cos_full_tok_map_median)", ">=", 0.9,
             "as finding 1, under the map-form convention",
-            "median(cos_full_tok_map_median_null)", f"cos(T(x) + ‖r‖u, T(x)), {RANDOM_DIRECTION}"),
+            "median(cos_full_tok_map_median_null)",
+            "cos(y, x): the identity map, no tokenwise update at all (the residual stream alone aligns y with x)",
+            control_role="positive"),
     Finding("2 angle", "the residual deviates by large angles",
             "mean over layers of the share of tokens with angle(Δ_full, r) > 60°", "avg(frac_res_angle_gt60)",
             ">=", 0.5, "the paper says 'many tokens above 60 degrees'; 'many' read as at least half",
@@ -99,11 +136,12 @@ FINDINGS: tuple[Finding, ...] = (
             "the paper: 'Spearman often above 0.7'",
             "median(spearman_relerr_kl_null)",
             "Spearman(relative error, KL) of the random control: the output moved as far as T(x) moves it, in a "
-            "random direction (the controls' class only)"),
+            "random direction (the controls' class only)", control_role="none"),
     Finding("4 norm", "approximation error predicts output perturbation",
             "median over layers of Spearman(||r||, KL)", "median(spearman_normres_kl)", ">=", 0.7,
             "as finding 4, with the error measured as ||r||",
-            "median(spearman_normres_kl_null)", "as finding 4's null, with the error measured as ||r||"),
+            "median(spearman_normres_kl_null)", "as finding 4's null, with the error measured as ||r||",
+            control_role="none"),
     Finding("5", "a diagonal map serves about as well as a low-rank one",
             "median relative error of diagonal minus that of lowrank",
             "median(rel_err_median) FILTER (WHERE fn_class = 'diagonal') "
@@ -111,17 +149,30 @@ FINDINGS: tuple[Finding, ...] = (
             "the paper: small models are 'well served by diagonal maps'; within 0.05 of low rank's median error "
             "is UpdateLens's reading",
             "1.0 - median(rel_err_median) FILTER (WHERE fn_class = 'lowrank')",
-            "the identity map (no tokenwise update: relative error 1) in place of the diagonal one", scope="model"),
+            "the identity map (no tokenwise update: relative error 1) in place of the diagonal one", scope="model",
+            control_role="reference"),
     Finding("6", "middle layers have larger residuals",
             "mean median relative error of the middle third of the model's layers minus the outer thirds",
             MIDDLE_GAP.format(m=MIDDLE.format(layer="layer")), ">=", 0.0,
             "the paper: 'middle layers have larger residuals'; any positive gap",
             MIDDLE_GAP.format(m=MIDDLE.format(layer="perm_layer")),
-            "the same gap with the analysed layers' depths permuted at random (one permutation per resample)",
+            "the same gap with the analysed layers' depths shifted round by a random offset (one per resample): "
+            "neighbouring layers stay together",
             coverage=(f"count(DISTINCT layer) FILTER (WHERE {MIDDLE.format(layer='layer')}) >= 2 AND "
                       f"count(DISTINCT layer) FILTER (WHERE NOT ({MIDDLE.format(layer='layer')})) >= 2"),
             coverage_note="not measured: it needs at least 2 analysed layers in the middle third of the model's "
                           "depth and 2 in the outer thirds"),
+    Finding("6 inner", "middle layers have larger residuals",
+            "as finding 6 without the two first and two last layers of the model (their residuals are the "
+            "most extreme: how much of the gap they carry)",
+            INNER_GAP.format(m=MIDDLE.format(layer="layer"), edge=EDGE.format(layer="layer")), ">=", 0.0,
+            "as finding 6", INNER_GAP.format(m=MIDDLE.format(layer="perm_layer"), edge=EDGE.format(layer="perm_layer")),
+            "as finding 6's null, on the same inner layers",
+            coverage=(f"count(DISTINCT layer) FILTER (WHERE {MIDDLE.format(layer='layer')}) >= 2 AND "
+                      f"count(DISTINCT layer) FILTER (WHERE NOT ({MIDDLE.format(layer='layer')}) "
+                      f"AND NOT ({EDGE.format(layer='layer')})) >= 2"),
+            coverage_note="not measured: it needs at least 2 analysed layers in the middle third and 2 in the outer "
+                          "thirds besides the two first and two last layers"),
 )
 
 BY_ID: dict[str, Finding] = {f.id: f for f in FINDINGS}

@@ -73,15 +73,16 @@ def null_residual(dec: Decomposition, directions: np.ndarray) -> Decomposition:
 
 def null_metrics(dec: Decomposition, x: np.ndarray, directions: np.ndarray, sub: Subspace | None,
                  m: int) -> dict[str, np.ndarray]:
-    """Per token, the findings' geometric measures on the random-direction residual of the same length
-    (`null_residual`): the cosine of the full and tokenwise updates (update and map forms), the
-    residual's angles against Δ_full and Δ_tok, and its projection energy on the top-m tokenwise
-    directions (`sub`, when given)."""
+    """Per token, the findings' geometric measures where the claimed structure is absent: on the
+    random-direction residual of the same length (`null_residual`), the cosine of the full and
+    tokenwise updates, the residual's angles against Δ_full and Δ_tok, and its projection energy on
+    the top-m tokenwise directions (`sub`, when given); for the map form, the identity map (no
+    tokenwise update: cos(y, x)), since the residual stream alone already aligns y with x."""
     null = null_residual(dec, directions)
-    tx = np.asarray(x, np.float64) + dec.delta_tok
+    x64 = np.asarray(x, np.float64)
     out = {
         "cos_full_tok_null": cosine(null.delta_full, null.delta_tok),
-        "cos_full_tok_map_null": cosine(tx + null.residual, tx),
+        "cos_full_tok_map_null": cosine(x64 + dec.delta_full, x64),
         "angle_full_res_null": angle_deg(cosine(null.delta_full, null.residual)),
         "angle_tok_res_null": angle_deg(cosine(null.delta_tok, null.residual)),
     }

@@ -36,6 +36,9 @@ class Adapter:
     # every window starts with the tokenizer's BOS token (Gemma: perplexity 29.5 with it, 252 without,
     # on the embedded sample); position 0 stays out of the statistics (skip_first_position)
     needs_bos: bool = False
+    # whether the blocks mix tokens through attention that takes a 4D mask: the positive control
+    # "self-only block" (each token attends to itself alone) exists only then (updatelens.controls)
+    self_attention: bool = True
 
 
 ADAPTERS: dict[str, Adapter] = {
@@ -52,8 +55,8 @@ ADAPTERS: dict[str, Adapter] = {
     "phi3": Adapter("model.layers"),
     "olmo": Adapter("model.layers"),
     "opt": Adapter("model.decoder.layers"),
-    "mamba": Adapter("backbone.layers", allows_padding=False, hidden_states_offset=1),
-    "mamba2": Adapter("backbone.layers", allows_padding=False, hidden_states_offset=1),
+    "mamba": Adapter("backbone.layers", allows_padding=False, hidden_states_offset=1, self_attention=False),
+    "mamba2": Adapter("backbone.layers", allows_padding=False, hidden_states_offset=1, self_attention=False),
 }
 
 
@@ -82,6 +85,7 @@ class LoadedModel:
     revision: str
     allows_padding: bool
     hidden_states_offset: int = 0
+    self_attention: bool = False  # the adapter's: the self-only block control exists
 
     @property
     def device(self) -> torch.device:
@@ -126,7 +130,8 @@ def locate_blocks(model: nn.Module) -> tuple[str, nn.ModuleList, Adapter]:
                              f"{model_type!r}): no ModuleList of blocks; add an entry to "
                              f"updatelens.models.ADAPTERS")
         blocks = found[1]
-        adapter = Adapter(found[0], allows_padding="mamba" not in model_type)
+        # an unknown architecture: where its blocks mix tokens is unknown, so no self-only control
+        adapter = Adapter(found[0], allows_padding="mamba" not in model_type, self_attention=False)
         name = "fallback"
     depth = getattr(config, "num_hidden_layers", None)
     if depth is not None and len(blocks) != depth:
@@ -249,6 +254,11 @@ def _folder_fingerprint(folder: Path) -> str:
 
 def read_depth(entry: ModelEntry) -> int:
     """The number of blocks from the config alone (no weights), for adding partitions."""
+    return read_shape(entry)[0]
+
+
+def read_shape(entry: ModelEntry) -> tuple[int, int]:
+    """(blocks, width) from the config alone (no weights): partitions and cost estimates."""
     from transformers import AutoConfig
 
     source, _ = resolve_source(entry)
@@ -256,7 +266,8 @@ def read_depth(entry: ModelEntry) -> int:
     depth = getattr(config, "num_hidden_layers", None)
     if depth is None:
         raise ModelError(f"model {entry.slug!r}: config has no num_hidden_layers")
-    return int(depth)
+    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
+    return int(depth), int(width)
 
 
 def load_model(entry: ModelEntry, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -302,4 +313,5 @@ def load_model(entry: ModelEntry, device: str = "cpu", dtype: torch.dtype = torc
         revision=revision,
         allows_padding=adapter.allows_padding,
         hidden_states_offset=adapter.hidden_states_offset,
+        self_attention=adapter.self_attention,
     )

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from updatelens.bootstrap import GEOMETRY_STATISTIC_DEFS
 from updatelens.config import AnalysisConfig
+from updatelens.findings import GEOMETRY_STATISTIC_DEFS
 
 VECTOR = "vector"  # FixedSizeList<float32>[d_model]
 NEIGHBOURS = "neighbours"  # FixedSizeList<int32>[k]
@@ -87,9 +87,18 @@ def _bootstrap_geometry() -> list[Column]:
     return out
 
 
+CONTROL = _c("control", STR, "the positive control: the real target y replaced by one that is tokenwise by "
+                            "construction (self_only: block l with each token attending to itself alone; "
+                            "linear: x + xB fitted without the token's document)")
+CONTROL_PREFIX = "control_"  # the positive controls' tables: the geometry stage's, with a `control` column
+
+
 def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]:
     """The declared columns of `table` under `cfg` (the default configuration when None), in order,
     provenance last."""
+    if table.startswith(CONTROL_PREFIX):
+        layer, *rest = columns(table[len(CONTROL_PREFIX):], cfg)
+        return (layer, CONTROL, *rest)
     body: list[Column]
     if table == "activations":
         body = [SEQ, _c("doc", I32, "the corpus document the sequence was cut from (the bootstrap's unit)"), POS,
@@ -97,7 +106,10 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                 _c("attention_mask", pa.int8(), "1 where the position holds a token"),
                 _c("kept", BOOL, "analysed: not position 0, not padding"),
                 _c("x", VECTOR, "h_l, the block's input hidden state"),
-                _c("y", VECTOR, "h_{l+1}, the block's output hidden state")]
+                _c("y", VECTOR, "h_{l+1}, the block's output hidden state"),
+                _c("y_self", VECTOR, "block l run on h_l with each token attending to itself alone: the "
+                                     "positive control's target, tokenwise by construction (null where the "
+                                     "architecture has no attention or the control was not asked for)")]
     elif table == "tokens":
         body = [SEQ, POS, _c("token_id", I64, "input token id"), _c("token", STR, "the token's text"),
                 _c("context", STR, "a short left context ending with the token")]
@@ -118,7 +130,7 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                 _c("angle_full_res", F64, "angle(Δ_full, r) in degrees"),
                 _c("angle_tok_res", F64, "angle(Δ_tok, r) in degrees"), *_projections(cfg),
                 _c("cos_full_tok_null", F64, "cos_full_tok with the residual turned to a random direction (same length)"),
-                _c("cos_full_tok_map_null", F64, "cos_full_tok_map with the random-direction residual"),
+                _c("cos_full_tok_map_null", F64, "the map form's null: cos(y, x), the identity map in place of T"),
                 _c("angle_full_res_null", F64, "angle_full_res with the random-direction residual"),
                 _c("angle_tok_res_null", F64, "angle_tok_res with the random-direction residual"),
                 _c("proj_null_m16", F64, "proj_res_m16 of the random-direction residual"),
@@ -152,6 +164,20 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                 _c("spearman_normres_kl", F64, "Spearman(||r||, KL) on the resample"),
                 _c("spearman_relerr_kl_null", F64, "Spearman(rel_err, KL of the same-size random patch) on the resample"),
                 _c("spearman_normres_kl_null", F64, "Spearman(||r||, KL of the same-size random patch) on the resample")]
+    elif table == "calibration":
+        body = [_c("n_tokens", I32, "kept tokens of the sample size (the first n_seq windows)"),
+                _c("n_seq", I32, "windows of the sample size"), FN_CLASS,
+                _c("target", STR, "what was fitted: real (the layer's y) or a positive control (self_only, linear)"),
+                _c("n_anchors", I32, "anchors scored (a fixed subsample; the neighbours come from every token)"),
+                _c("n_docs", I32, "documents of the sample size (the bootstrap's unit)"),
+                _c("rel_err_median", F64, "median relative error ||y - T(x)|| / ||y - x|| over the anchors"),
+                _c("rel_err_lo", F64, "its 2.5 % bootstrap quantile over documents"),
+                _c("rel_err_hi", F64, "its 97.5 % bootstrap quantile over documents"),
+                _c("cos_full_tok_median", F64, "median cos(Δ_full, Δ_tok) over the anchors"),
+                _c("cos_lo", F64, "its 2.5 % bootstrap quantile over documents"),
+                _c("cos_hi", F64, "its 97.5 % bootstrap quantile over documents"),
+                _c("finding_1", STR, "where the cosine's interval lies against finding 1's threshold: clears, "
+                                     "misses, straddles")]
     else:
         raise SchemaError(f"no schema is declared for table {table!r}")
     return (LAYER, *body, *PROVENANCE)
@@ -207,14 +233,24 @@ def check(table_name: str, table: pa.Table | pa.Schema) -> None:
         raise SchemaError(f"table {table_name!r}: vector columns of different widths {sorted(widths)}")
 
 
+def empty_table(table: str, cfg: AnalysisConfig) -> pa.Table:
+    """A table of no rows with `table`'s declared columns under `cfg` (tables without vector columns)."""
+    fields = []
+    for column in columns(table, cfg):
+        if not isinstance(column.type, pa.DataType):
+            raise SchemaError(f"table {table!r} has sized columns ({column.name}): no empty form without a width")
+        fields.append(pa.field(column.name, column.type))
+    return pa.schema(fields).empty_table()
+
+
 def describe_column(table: str, name: str) -> str | None:
     """The description of a column of a stored table, for any configuration (a projection energy on
     a top-m subspace of any m included); None for a column the schema does not declare."""
     if name in (known := descriptions(table)):
         return known[name]
     parts = name.split("_")
-    if table == "geometry" and len(parts) == 3 and parts[0] == "proj" and parts[1] in _GEOMETRY_PARTS \
-            and parts[2][:1] == "m" and parts[2][1:].isdigit():
+    if table in ("geometry", f"{CONTROL_PREFIX}geometry") and len(parts) == 3 and parts[0] == "proj" \
+            and parts[1] in _GEOMETRY_PARTS and parts[2][:1] == "m" and parts[2][1:].isdigit():
         return (f"share of the energy of {_GEOMETRY_PARTS[parts[1]]} on the layer's top {parts[2][1:]} "
                 f"tokenwise directions (uncentred SVD of Δ_tok)")
     return None

@@ -43,6 +43,12 @@ STAGES: tuple[Stage, ...] = (
           "Per token: cosines and angles between Δ_full, Δ_tok and r (update and map forms), projection "
           "energies on the top-m tokenwise subspace; per layer: singular spectra (table `spectra`) and the "
           "findings' statistics on bootstrap resamples (`geometry_bootstrap`).", ("activations", "local_fits")),
+    Stage("controls", "calibration", ("control_geometry", "control_spectra", "control_geometry_bootstrap"), False,
+          ("controls_valid",), ("parquet",),
+          "Positive controls: the same classes, fitted on the same neighbours, to targets that are tokenwise "
+          "by construction (block l with each token attending to itself alone; a linear map fitted without "
+          "the token's document), measured like the real layer: the geometry tables with a `control` column. "
+          "What the estimator shows when the paper's structure is there.", ("activations", "local_fits")),
     Stage("functional_metrics", "analysis", ("functional_metrics", "functional_summary", "functional_bootstrap"),
           True, ("functional_valid",), ("pytorch", "parquet"),
           "Per token KL of the next-token distribution when block l's output is replaced by T(h_l) (residual "
@@ -63,6 +69,9 @@ TABLES: tuple[str, ...] = tuple(t for s in STAGES for t in s.tables)
 # their resamples (so that a setting's finding has an interval, paired with the baseline's).
 SWEEP_TABLES: tuple[str, ...] = ("geometry", "spectra", "geometry_bootstrap", "functional_metrics",
                                  "functional_summary", "functional_bootstrap")
+# Tables written per (model, layer) by a study outside the pipeline's stages (updatelens.calibration):
+# verified and served like the stages' tables, never part of a layer's completeness.
+STUDY_TABLES: tuple[str, ...] = ("calibration",)
 # written by the last stage; whether a (model, layer) is complete is every table's presence
 LAST_TABLE: str = STAGES[-1].tables[-1]
 

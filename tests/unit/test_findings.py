@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from updatelens import findings
-from updatelens.bootstrap import GEOMETRY_STATISTICS
+from updatelens.findings import GEOMETRY_STATISTICS
 from updatelens.storage import catalog
 from updatelens.storage.layout import convergence_root, sweep_root, write_partition, write_sweep_run
 
@@ -108,7 +108,12 @@ def hand_findings(v: dict[str, np.ndarray], fn_class: str) -> dict[str, float]:
         "4 norm": np.median(v[f"rho_norm/{fn_class}"]),
         "5": err["diagonal"] - err["lowrank"],
         "6": np.mean(per_layer_median[fn_class][MIDDLE]) - np.mean(per_layer_median[fn_class][OUTER]),
+        "6 inner": None,  # 6 layers: without the two first and two last, no outer layer is left
     }
+
+
+def same(found: object, expected: float | None) -> bool:
+    return found is None if expected is None else found == pytest.approx(expected, rel=1e-9)
 
 
 def test_findings_match_a_hand_computation(tmp_path: Path) -> None:
@@ -120,7 +125,8 @@ def test_findings_match_a_hand_computation(tmp_path: Path) -> None:
     expected = hand_findings(v, best)
     assert set(rows) == set(expected)
     for finding, value in expected.items():
-        assert rows[finding]["value"] == pytest.approx(value, rel=1e-9), finding
+        assert same(rows[finding]["value"], value), finding
+    assert "besides the two first and two last" in rows["6 inner"]["note"]
     nulls = hand_nulls(v, best)
     for finding, value in nulls.items():
         assert rows[finding]["null_value"] == pytest.approx(value, rel=1e-9), finding
@@ -156,7 +162,7 @@ def test_findings_by_class_cover_every_class(tmp_path: Path) -> None:
         expected = hand_findings(v, fn_class)
         assert set(got) == set(expected)
         for finding, value in expected.items():
-            assert got[finding] == pytest.approx(value, rel=1e-9), (fn_class, finding)
+            assert same(got[finding], value), (fn_class, finding)
 
 
 def test_sensitivity_against_hand_computation(tmp_path: Path) -> None:
@@ -271,7 +277,12 @@ def test_intervals_are_quantiles_of_the_findings_on_each_resample(tmp_path: Path
             bound = float(row["threshold"].split()[1])
             above = row["threshold"].startswith(">=")
             lo, hi, dlo, dhi = row["ci_lo"], row["ci_hi"], row["diff_ci_lo"], row["diff_ci_hi"]
-            if (hi < bound if above else lo > bound):
+            if lo is None:  # not measured (6 inner on 6 layers): no interval, no verdict
+                assert row["verdict"] is None and row["note"], (cls, finding)
+                continue
+            if dlo is not None and (dhi < 0 if above else dlo > 0):
+                expected = "opposite"  # beyond the null on the wrong side of the claim
+            elif (hi < bound if above else lo > bound):
                 expected = "fails"
             elif not (lo >= bound if above else hi <= bound) or dlo is None:
                 expected = "undecided"
@@ -362,6 +373,27 @@ def test_a_finding_holds_only_beyond_its_null_and_is_indistinct_when_noise_passe
     assert verdicts["lowrank"]["verdict"] == "holds" and verdicts["lowrank"]["diff_ci_lo"] > 0
     assert verdicts["diagonal"]["verdict"] == "indistinct"
     assert verdicts["diagonal"]["diff_ci_lo"] <= 0 <= verdicts["diagonal"]["diff_ci_hi"]
+
+
+def test_finding_6_null_shifts_the_depths_round_keeping_neighbours_together(tmp_path: Path) -> None:
+    """Each resample's null labels the layers by a circular shift of their depths (by 1 to n - 1
+    places): with rel_err_median equal to the layer's index, the null's gap is one of the rotations'."""
+    fixture(tmp_path)
+    replicate_fixture(tmp_path)
+    for layer in range(LAYERS):
+        table = catalog.query(tmp_path, "SELECT * FROM geometry_bootstrap WHERE layer = $1", [layer]).to_arrow()
+        table = table.set_column(table.schema.get_field_index("rel_err_median"), "rel_err_median",
+                                 pa.array(np.full(len(table), float(layer))))
+        write_partition(tmp_path, "geometry_bootstrap", "m", layer, table)
+    rotations = set()
+    for shift in range(1, LAYERS):
+        label = {layer: (layer + shift) % LAYERS for layer in range(LAYERS)}  # layer -> the depth it is given
+        middle = [layer for layer in range(LAYERS) if label[layer] in MIDDLE]
+        outer = [layer for layer in range(LAYERS) if label[layer] in OUTER]
+        rotations.add(round(np.mean(middle) - np.mean(outer), 9))
+    nulls = catalog.query(tmp_path, "SELECT DISTINCT round(null_value, 9) AS v FROM finding_replicates "
+                                    "WHERE finding = '6' AND replicate >= 0")["v"].to_list()
+    assert set(nulls) <= rotations and len(set(nulls)) > 1, (nulls, rotations)
 
 
 def test_finding_6_uses_the_models_depth_and_is_null_with_a_reason_when_too_few_layers(tmp_path: Path) -> None:

@@ -98,6 +98,9 @@ def test_the_null_residual_keeps_its_length_and_measures_like_noise() -> None:
         real = token_metrics(x, tx + residual, tx, dec)
         nulls = null_metrics(dec, x, u, dominant_subspace(dec.delta_tok), 16)
         gap = np.median(real["cos_full_tok"]) - np.median(nulls["cos_full_tok_null"])
+        y = tx + residual  # the map form's null is the identity map: cos(y, x)
+        identity = (y * x).sum(axis=1) / np.linalg.norm(y, axis=1) / np.linalg.norm(x, axis=1)
+        np.testing.assert_allclose(nulls["cos_full_tok_map_null"], identity, rtol=1e-9)
         if structured:
             assert gap > 0.01 and np.median(real["angle_full_res"]) < 1
         else:

@@ -1,0 +1,68 @@
+"""Stage: the positive controls. The real layer's neighbours and classes, fitted to targets that are
+tokenwise by construction (engine: `updatelens.controls`), measured by the geometry stage's code:
+what the estimator shows when the paper's structure is there. Reads a whole layer at a time (the
+linear control's leave-one-document-out fit needs every token)."""
+
+import dagster as dg
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from updatelens.analysis import layer_data
+from updatelens.assets import checks
+from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
+from updatelens.assets.resources import UpdateLensResource
+from updatelens.config import LOCAL_CLASSES
+from updatelens.controls import control_tables, made_controls
+from updatelens.schemas import empty_table
+from updatelens.stages import BY_NAME
+from updatelens.tables import Provenance, to_matrix
+
+TABLES = BY_NAME["controls"].tables  # control_geometry, control_spectra, control_geometry_bootstrap
+
+
+def stored_neighbours(fits: pa.Table, order: tuple[np.ndarray, np.ndarray]) -> np.ndarray | None:
+    """The k neighbours the real layer's local fits used, rows in the kept tokens' (seq, pos) order
+    (`order`); None where no local class was fitted."""
+    local = [c for c in dict.fromkeys(fits["fn_class"].to_pylist()) if c in LOCAL_CLASSES]
+    if not local:
+        return None
+    part = fits.filter(pc.equal(fits["fn_class"], local[0])).sort_by([("seq", "ascending"), ("pos", "ascending")])
+    seq, pos = order
+    if not (np.array_equal(part["seq"].to_numpy(), seq) and np.array_equal(part["pos"].to_numpy(), pos)):
+        raise ValueError("local_fits do not cover the kept tokens of the activations")
+    return to_matrix(part["neighbours"], np.int64)
+
+
+@stage_asset
+def controls(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
+    cfg = lens.config()
+    store = lens.store
+    written = Written()
+    verdicts: dict[str, checks.Verdict] = {}
+    for model, layers in each_model(context, store):
+        for layer in layers:
+            prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg)
+            check_upstream(store, "local_fits", model, layer, cfg)
+            table = store.partition("activations", model, layer).read()
+            data = layer_data(table)
+            y_self = None
+            if pc.sum(pc.is_valid(table["y_self"])).as_py() == len(table):
+                y_self = to_matrix(table.sort_by([("seq", "ascending"), ("pos", "ascending")])["y_self"]).reshape(
+                    data.y_full.shape)
+            neighbours = stored_neighbours(store.partition("local_fits", model, layer).read(
+                ["fn_class", "seq", "pos", "neighbours"]), (data.seq, data.pos))
+            made: dict[str, list[pa.Table]] = {t: [] for t in TABLES}
+            for control, tables in control_tables(data, y_self, neighbours, cfg, prov):
+                context.log.info(f"{model} layer {layer}: positive control {control} fitted and measured")
+                for name, part in zip(TABLES, tables):
+                    made[name].append(part)
+            stored = {name: written.add(store.partition(name, model, layer),
+                                        pa.concat_tables(parts) if parts else empty_table(name, cfg))
+                      for name, parts in made.items()}
+            expected = made_controls(cfg.positive_controls, y_self is not None)
+            written.note(model, layer, positive_controls=",".join(expected) or "none")
+            verdicts[f"{model}:{layer:02d}"] = checks.check_controls(
+                stored["control_geometry"], stored["control_spectra"], len(data.x), cfg.classes, expected)
+    return finish(store, cfg, written, outcomes=[
+        checks.Outcome("controls", "controls_valid", verdicts, lens.checks)])

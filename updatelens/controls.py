@@ -1,0 +1,97 @@
+"""Positive controls: what the estimator shows when the truth is tokenwise by construction.
+
+A null says whether noise would look the same; a positive control says whether the local fits would
+show the paper's structure if it were there (docs/method.md, "Positive controls"). Each control
+replaces the real output y of block l by a target that maps each token by itself, and runs the same
+fits (the same classes, on the same stored neighbours) and the same geometry as the real layer:
+
+- `self_only`: block l on h_l with each token attending to itself alone (captured with the
+  activations, column `y_self`): the model's own norms, MLP and nonlinearity, and no path between
+  tokens. Attention architectures only (Mamba's mixer has no mask: no self-only stand-in).
+- `linear`: x -> x + xB, B a ridge fit of the real update y - x on every token outside the token's
+  document (leave one document out), so the target of a token never used its own article.
+
+Its tables (`control_geometry`, `control_spectra`, `control_geometry_bootstrap`) are the geometry
+stage's tables with a `control` column: the catalog renders the findings over them unchanged and
+sets each finding's real value beside its controls'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import pyarrow as pa
+
+from updatelens.analysis import LayerData, geometry_tables
+from updatelens.config import AnalysisConfig
+from updatelens.fits import fit_layer
+from updatelens.tables import Provenance
+
+
+def linear_target(x: np.ndarray, y: np.ndarray, doc: np.ndarray, ridge: float) -> np.ndarray:
+    """x + xB_{-d} for each token, B_{-d} the ridge regression of y - x on x over the tokens of every
+    document but the token's own d ([N, d] float32 in, float32 out; float64 solves). The ridge is
+    `ridge` times the mean eigenvalue of the training tokens' normal matrix, as the fits' ridge."""
+    x64 = x.astype(np.float64)
+    delta = y.astype(np.float64) - x64
+    d = x.shape[1]
+    gram, cross = x64.T @ x64, x64.T @ delta
+    out = np.empty_like(x, dtype=np.float32)
+    for group in np.unique(doc):
+        rows = doc == group
+        g = gram - x64[rows].T @ x64[rows]
+        c = cross - x64[rows].T @ delta[rows]
+        lam = ridge * float(np.trace(g)) / d
+        b = np.linalg.solve(g + lam * np.eye(d), c)
+        out[rows] = (x64[rows] + x64[rows] @ b).astype(np.float32)
+    return out
+
+
+def control_targets(data: LayerData, y_self: np.ndarray | None, cfg: AnalysisConfig) -> dict[str, np.ndarray]:
+    """Each configured control's target over the full grid [n_seq, T, d] (kept positions filled; the
+    others hold y, never read). `y_self`: the stored self-only outputs [n_seq, T, d], None where the
+    architecture has none: the linear control then stands in for it."""
+    out: dict[str, np.ndarray] = {}
+    for control in made_controls(cfg.positive_controls, y_self is not None):
+        if control == "self_only":
+            if y_self is not None:
+                out[control] = y_self
+        elif control == "linear":
+            grid = data.y_full.copy()
+            grid[data.kept] = linear_target(data.x, data.y, data.doc, cfg.ridge)
+            out[control] = grid
+        else:
+            raise ValueError(f"unknown positive control {control!r}")
+    return out
+
+
+def made_controls(asked: tuple[str, ...], has_self_only: bool) -> list[str]:
+    """The controls made for `asked` (in order): self_only where the architecture has it, the linear
+    control in its place where it has not (Mamba, an unknown architecture)."""
+    out: list[str] = []
+    for control in asked:
+        if control == "self_only" and not has_self_only:
+            control = "linear"
+        if control not in out:
+            out.append(control)
+    return out
+
+
+def control_tables(data: LayerData, y_self: np.ndarray | None, neighbours: np.ndarray | None,
+                   cfg: AnalysisConfig, prov: Provenance) -> Iterator[tuple[str, tuple[pa.Table, pa.Table, pa.Table]]]:
+    """(control, (per-token geometry, spectra, bootstrap statistics)) for each control: the target
+    fitted by every configured class on the real layer's neighbours, then measured by the geometry
+    stage's own code. One control's fits in memory at a time."""
+    for control, target in control_targets(data, y_self, cfg).items():
+        controlled = replace(data, y_full=target)
+        fits = {c: fit_layer(c, controlled.x, controlled.y, controlled.seq, neighbours, cfg) for c in cfg.classes}
+        tables = geometry_tables(controlled, fits, cfg, prov, null_spectra=False)
+        geometry, spectra, resamples = (_with_control(t, control) for t in tables)
+        yield control, (geometry, spectra, resamples)
+
+
+def _with_control(table: pa.Table, control: str) -> pa.Table:
+    """The table with `control` as its second column (after `layer`)."""
+    return table.add_column(1, "control", pa.array([control] * len(table), pa.string()))
