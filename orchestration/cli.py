@@ -1,4 +1,4 @@
-"""`updatelens run | sql | verify | ui | notebook | report | sweep | converge | worker`: the
+"""`updatelens run | sql | verify | ui | notebook | report | sweep | converge | calibrate | worker`: the
 command line over the data product. This module parses the arguments and dispatches; the commands
 live in `commands.py`."""
 
@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from updatelens.orchestration.commands import (
+    cmd_calibrate,
     cmd_converge,
     cmd_notebook,
     cmd_report,
@@ -127,6 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
     conv.add_argument("--registry")
     conv.set_defaults(func=cmd_converge, classes=None, n_seq=None, seq_len=None, k=None, rank=None)
+
+    cal = sub.add_parser("calibrate", help="the estimator's power: the real update and the positive controls (tokenwise "
+                                           "by construction) fitted at growing sample sizes and k")
+    cal.add_argument("--model", default="smollm2-135m")
+    cal.add_argument("--corpus", default="wiki-embedded")
+    cal.add_argument("--tokens", default="2048,8192,32768",
+                     help="sample sizes in tokens, multiples of seq_len, nested (default 2048,8192,32768)")
+    cal.add_argument("--k", dest="ks", default="16,64,256", help="neighbour counts (default 16,64,256)")
+    cal.add_argument("--layers", help="layers like 3-7 or 0,15,29 (default: the first, middle and last)")
+    cal.add_argument("--anchors", type=int, default=2048, help="anchors scored per layer and size (default 2048)")
+    cal.add_argument("--set", action="append", metavar="KEY=VALUE", help="AnalysisConfig fields")
+    cal.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
+    cal.add_argument("--registry")
+    cal.set_defaults(func=cmd_calibrate, classes=None, n_seq=None, seq_len=None, k=None, rank=None, preset=None)
 
 
     args = parser.parse_args(argv)

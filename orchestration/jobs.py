@@ -5,6 +5,7 @@ from __future__ import annotations
 import dagster as dg
 
 from updatelens.assets.partitions import MODEL_LAYER, MODELS
+from updatelens.orchestration.calibration import calibrate_job
 from updatelens.orchestration.convergence import converge_job
 from updatelens.stages import STAGE_NAMES
 
@@ -35,4 +36,4 @@ sweep_job = dg.define_asset_job(
     "sweep_conventions", selection=dg.AssetSelection.assets("convention_sweep"), partitions_def=MODELS,
     description="Convention sweep for the selected models (set the grid in the launchpad's op config).")
 
-JOBS = [analyse_job, *stage_jobs, report_job, comparison_job, sweep_job, converge_job]
+JOBS = [analyse_job, *stage_jobs, report_job, comparison_job, sweep_job, converge_job, calibrate_job]

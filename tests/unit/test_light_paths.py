@@ -1,0 +1,48 @@
+"""The light paths stay light: `updatelens sql`, `updatelens verify` (without repair) and the reading
+of stored tables by the reports import neither torch, transformers, great-expectations nor Dagster
+(a query answers in a fraction of a second where those imports take seconds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_findings import fixture, replicate_fixture
+
+HEAVY = ("torch", "transformers", "great_expectations", "dagster")
+
+RUN = """
+import json, sys
+{body}
+print(json.dumps([m for m in {heavy!r} if m in sys.modules]))
+"""
+
+
+def heavy_imports(body: str) -> list[str]:
+    """The heavy modules a fresh interpreter holds after running `body`."""
+    out = subprocess.run([sys.executable, "-c", RUN.format(body=body, heavy=HEAVY)], capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("command, code", [(["sql", "SELECT count(*) FROM findings"], 0),
+                                           (["verify"], 1)])  # the fixture's layers lack the stages' other tables
+def test_sql_and_verify_import_nothing_heavy(tmp_path: Path, command: list[str], code: int) -> None:
+    fixture(tmp_path)
+    replicate_fixture(tmp_path)
+    body = (f"from updatelens.orchestration.cli import main\n"
+            f"assert main({[command[0], '--data-root', str(tmp_path), *command[1:]]!r}) == {code}")
+    assert heavy_imports(body) == []
+
+
+def test_the_catalog_and_the_report_builders_import_nothing_heavy() -> None:
+    assert heavy_imports("import updatelens.storage.catalog, updatelens.reports.build") == []
+
+
+def test_the_check_would_see_a_heavy_import() -> None:
+    """The positive control of the tests above: importing the engine's capture pulls in torch."""
+    assert "torch" in heavy_imports("import updatelens.capture")

@@ -1,0 +1,157 @@
+"""The estimator's power against the sample size: does it recover a layer that is tokenwise by
+construction, and from how many tokens on?
+
+One capture of the largest sample serves every size (the first n windows: nested samples, as the
+convergence study's). For each layer, size and neighbour count k, the neighbours are searched among
+all the size's tokens (exclusion by document, as the pipeline's), and the fit is evaluated at a fixed
+subsample of anchors (the power comes from how densely the neighbours cover the space, not from how
+many anchors are scored): for the real update and for each positive control (updatelens.controls),
+the median relative error ‖y - T(x)‖ / ‖y - x‖ and the median cos(Δ_full, Δ_tok) with 95 % bootstrap
+intervals over documents, and where that cosine's interval lies against finding 1's threshold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from updatelens.bootstrap import sequence_counts, weighted_median
+from updatelens.capture import capture_batches, kept_mask
+from updatelens.config import AnalysisConfig
+from updatelens.controls import linear_target, made_controls
+from updatelens.corpus import Sample
+from updatelens.findings import BY_ID
+from updatelens.fits import fit_local_batched, torch_dtype
+from updatelens.fits.base import FitParams
+from updatelens.models import LoadedModel
+from updatelens.neighbours import knn
+from updatelens.tables import Provenance, with_provenance
+
+DEFAULT_TOKENS = (2048, 8192, 32768)
+DEFAULT_KS = (16, 64, 256)
+DEFAULT_ANCHORS = 2048  # anchors scored per (layer, size): the default job's whole sample
+
+
+@dataclass
+class LayerSample:
+    """The kept tokens of one layer over the largest sample, in (seq, pos) order."""
+
+    x: np.ndarray  # [N, d] float32
+    y: np.ndarray
+    y_self: np.ndarray | None
+    seq: np.ndarray  # [N]
+    doc: np.ndarray  # [N]
+
+
+def capture_layers(lm: LoadedModel, sample: Sample, layers: Sequence[int], cfg: AnalysisConfig) -> dict[int, LayerSample]:
+    """h_l, h_{l+1} and the self-only block output (where the architecture has one) of every kept token."""
+    self_only = list(layers) if lm.self_attention else []
+    parts: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]]] = {layer: [] for layer in layers}
+    for batch in capture_batches(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch,
+                                 last_block=max(layers), self_only=self_only):
+        kept = kept_mask(batch.attention_mask, cfg.skip_first_position)
+        rows = np.nonzero(kept)[0] + batch.start
+        for layer in layers:
+            alone = batch.self_only.get(layer)
+            parts[layer].append((batch.states[layer][kept], batch.states[layer + 1][kept],
+                                 alone[kept] if alone is not None else None, rows))
+    out = {}
+    for layer, chunks in parts.items():
+        seq = np.concatenate([c[3] for c in chunks]).astype(np.int32)
+        selves = [c[2] for c in chunks if c[2] is not None]
+        y_self = np.concatenate(selves) if len(selves) == len(chunks) else None
+        out[layer] = LayerSample(np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks]),
+                                 y_self, seq, np.asarray(sample.doc_index)[seq].astype(np.int32))
+    return out
+
+
+def _row_stats(x: np.ndarray, y: np.ndarray, tx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per anchor: relative error ‖y - T(x)‖ / ‖y - x‖ and cos(y - x, T(x) - x)."""
+    full = y.astype(np.float64) - x
+    tok = tx.astype(np.float64) - x
+    norm_full = np.linalg.norm(full, axis=1)
+    rel = np.linalg.norm(full - tok, axis=1) / np.maximum(norm_full, 1e-30)
+    cos = (full * tok).sum(axis=1) / np.maximum(norm_full * np.linalg.norm(tok, axis=1), 1e-30)
+    return rel, cos
+
+
+def _interval(values: np.ndarray, weights: np.ndarray) -> tuple[float, float]:
+    reps = weighted_median(values, weights)
+    lo, hi = np.quantile(reps, [0.025, 0.975])
+    return float(lo), float(hi)
+
+
+def calibrate_layer(data: LayerSample, n_seq: int, ks: Sequence[int], cfg: AnalysisConfig, fn_class: str,
+                    n_anchors: int, controls: Sequence[str]) -> list[dict[str, object]]:
+    """The rows of one layer at one size (the first n_seq windows): per k and target (real, each
+    control), the medians with their intervals over documents."""
+    take = data.seq < n_seq
+    x, y, seq, doc = data.x[take], data.y[take], data.seq[take], data.doc[take]
+    targets: dict[str, np.ndarray] = {"real": y}
+    for control in made_controls(tuple(controls), data.y_self is not None):
+        targets[control] = data.y_self[take] if control == "self_only" else linear_target(x, y, doc, cfg.ridge)  # type: ignore[index]
+    rng = np.random.default_rng([cfg.seed, n_seq, 0xCA1])
+    anchors = np.sort(rng.choice(len(x), size=min(n_anchors, len(x)), replace=False))
+    groups = doc if cfg.exclusion == "document" else seq
+    found = knn(x, groups, max(ks), cfg.metric, cfg.exclusion, cfg.index, cfg.seed, cfg.device, cfg.ann_threshold)
+    # anchor rows first, so the batched fit (anchor i is row i) scores exactly the anchors
+    order = np.concatenate([anchors, np.setdiff1d(np.arange(len(x)), anchors)])
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    xo = x[order]
+    _, unit = np.unique(doc[anchors], return_inverse=True)
+    counts = sequence_counts(np.unique(doc[anchors]), cfg.bootstrap, cfg.seed)[:, unit]
+    params = FitParams(rank=cfg.rank, ridge=cfg.ridge, orthogonal_scale=cfg.orthogonal_scale)
+    threshold = BY_ID["1"].bound
+    rows: list[dict[str, object]] = []
+    for k in ks:
+        nb = inverse[found[anchors, :k]]
+        for target, values in targets.items():
+            fit = fit_local_batched(fn_class, xo, values[order], nb, params, torch_dtype(cfg.fit_dtype),
+                                    cfg.anchor_chunk, cfg.device)
+            rel, cos = _row_stats(x[anchors], values[anchors], fit.tx.cpu().numpy())
+            rel_lo, rel_hi = _interval(rel, counts)
+            cos_lo, cos_hi = _interval(cos, counts)
+            rows.append({"n_tokens": int(len(x)), "n_seq": int(n_seq), "k": int(k), "fn_class": fn_class,
+                         "target": target, "n_anchors": int(len(anchors)), "n_docs": int(len(np.unique(doc))),
+                         "rel_err_median": float(np.median(rel)), "rel_err_lo": rel_lo, "rel_err_hi": rel_hi,
+                         "cos_full_tok_median": float(np.median(cos)), "cos_lo": cos_lo, "cos_hi": cos_hi,
+                         "finding_1": "clears" if cos_lo >= threshold else "misses" if cos_hi < threshold
+                         else "straddles"})
+    return rows
+
+
+COLUMNS: dict[str, pa.DataType] = {  # as updatelens.schemas declares them; k is the provenance's (each row's own)
+    "n_tokens": pa.int32(), "n_seq": pa.int32(), "fn_class": pa.string(), "target": pa.string(),
+    "n_anchors": pa.int32(), "n_docs": pa.int32(), "rel_err_median": pa.float64(), "rel_err_lo": pa.float64(),
+    "rel_err_hi": pa.float64(), "cos_full_tok_median": pa.float64(), "cos_lo": pa.float64(), "cos_hi": pa.float64(),
+    "finding_1": pa.string(),
+}
+
+
+def calibration_table(rows: list[dict[str, object]], prov: Provenance, layer: int) -> pa.Table:
+    """One layer's rows with the provenance columns, `k` each row's own."""
+    columns: dict[str, pa.Array] = {name: pa.array([r[name] for r in rows], typ) for name, typ in COLUMNS.items()}
+    table = with_provenance(columns, prov, layer)
+    return table.set_column(table.schema.get_field_index("k"), "k", pa.array([r["k"] for r in rows], pa.int32()))
+
+
+def calibrate(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig, prov: Provenance, layers: Sequence[int],
+              sizes: Sequence[int], ks: Sequence[int], fn_class: str = "lowrank", n_anchors: int = DEFAULT_ANCHORS,
+              controls: Sequence[str] = ("self_only", "linear"),
+              log: Callable[[str], None] = print) -> dict[int, pa.Table]:
+    """Every layer's calibration table over the sizes (numbers of windows, nested) and neighbour counts."""
+    with torch.inference_mode():
+        captured = capture_layers(lm, sample, layers, cfg)
+    out = {}
+    for layer in layers:
+        rows = []
+        for n_seq in sorted(sizes):
+            rows += calibrate_layer(captured[layer], n_seq, ks, cfg, fn_class, n_anchors, controls)
+            log(f"calibrate: {lm.slug} layer {layer}, {n_seq} windows: done")
+        out[layer] = calibration_table(rows, prov, layer)
+    return out
