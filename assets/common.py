@@ -119,13 +119,16 @@ def engine_logs(dagster_log: logging.Logger) -> Iterator[None]:
         engine.setLevel(level)
 
 
-# New (model, layer) partitions materialize and each stage follows its upstream's updates (eager);
-# eager() only acts on what becomes missing after the sensor's first evaluation, so partitions
-# already missing then (a registry read before the first evaluation) are requested once too. The
-# UI's Automation tab says for every partition which part held.
-STAGE_AUTOMATION = (dg.AutomationCondition.eager()
-                    | (dg.AutomationCondition.initial_evaluation() & dg.AutomationCondition.missing()
-                       & ~dg.AutomationCondition.in_progress()).with_label("missing at the first evaluation"))
+# Each stage follows its upstream's updates (eager, without eager's "newly missing" trigger): a
+# partition that is missing, because a model was added or a root opened where it never ran, is
+# launched by the registry sensor (a model added while the deployment runs, or one whose registry entry
+# says auto_run) or by someone (the UI, `updatelens run`), never by opening the UI. The UI's
+# Automation tab says for every partition which part held.
+STAGE_AUTOMATION = (dg.AutomationCondition.in_latest_time_window()
+                    & dg.AutomationCondition.any_deps_updated().since_last_handled()
+                    & ~dg.AutomationCondition.any_deps_missing()
+                    & ~dg.AutomationCondition.any_deps_in_progress()
+                    & ~dg.AutomationCondition.in_progress()).with_label("after an upstream update")
 
 
 def stage_asset(fn):

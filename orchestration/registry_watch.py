@@ -20,7 +20,9 @@ from updatelens.storage.layout import PART_FILE, partition_dir, partition_file, 
 
 
 def fingerprint(entry: ModelEntry) -> str:
-    return hashlib.sha1(entry.describe().encode()).hexdigest()[:12]
+    """The entry as the sensor tracks it: its source, and whether it opts in to running unasked (so
+    turning auto_run on is a change the sensor acts on)."""
+    return hashlib.sha1(f"{entry.describe()}|auto_run={entry.auto_run}".encode()).hexdigest()[:12]
 
 
 @dataclass

@@ -18,10 +18,11 @@ from updatelens.assets.partitions import (
 )
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.errors import UpdateLensError
-from updatelens.models import read_depth
+from updatelens.models import read_shape
 from updatelens.orchestration.deployments import active_profile
 from updatelens.orchestration.jobs import analyse_job, comparison_job, report_job
 from updatelens.orchestration.registry_watch import fingerprint, registry_changes, stale_keys
+from updatelens.preflight import estimate_bytes
 from updatelens.stages import STAGE_NAMES
 
 
@@ -47,21 +48,32 @@ def found_on_disk(lens: UpdateLensResource, model: str, n_layers: int) -> list[d
             for key in model_keys(model, n_layers) if key not in stale for stage in STAGE_NAMES]
 
 
+def cost_estimate(lens: UpdateLensResource, model: str, n_partitions: int, width: int) -> str:
+    """What analysing n partitions of the model would write, in words (tokens and bytes on disk)."""
+    cfg = lens.config()
+    size = estimate_bytes(cfg, n_partitions, width) / 2**30
+    return (f"{n_partitions} layer(s) x {cfg.n_seq * cfg.seq_len:,} tokens, about {size:.2f} GiB on disk "
+            f"(settings {cfg.config_id})")
+
+
 @dg.sensor(job=analyse_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Watches the model registry file. A new model gets its (model, layer) partitions from "
-                       "its real depth (the stage assets' declarative automation then runs the missing ones; "
-                       "partitions already up to date on disk are reported, not rerun); a model whose source "
-                       "changed gets runs for its stale partitions. A removed model is not rerun, nor, on the first "
-                       "evaluation, a model the instance already knows (its results may hold other settings on "
-                       "purpose). The cursor records what was handled, so a daemon restart requests nothing twice.")
+           description="Watches the model registry file. Every model gets its (model, layer) partitions from its "
+                       "real depth; partitions already up to date on disk are reported, not rerun. A model added to "
+                       "the registry while the deployment runs is launched (its estimate logged); on the first "
+                       "evaluation (opening the UI on a root) a model never analysed there is shown as missing, with "
+                       "its estimate, and waits to be launched, unless its registry entry says auto_run = true. A "
+                       "model whose source changed gets runs for its stale partitions. A removed model is not rerun, "
+                       "nor, on the first evaluation, a model the instance already knows. The cursor records what "
+                       "was handled, so a daemon restart requests nothing twice.")
 def model_registry_sensor(context: dg.SensorEvaluationContext, lens: UpdateLensResource) -> dg.SensorResult:
     changes = registry_changes(Path(lens.registry), context.cursor)
     existing = set(context.instance.get_dynamic_partitions(MODEL_LAYER.name))
     existing_models = set(context.instance.get_dynamic_partitions(MODELS.name))
-    partition_requests, run_requests, events, skipped = [], [], [], []
+    first = context.cursor is None
+    partition_requests, run_requests, events, skipped, waiting = [], [], [], [], []
     for entry in changes.added:
         try:
-            depth = read_depth(entry)
+            depth, width = read_shape(entry)
         except (UpdateLensError, OSError, ValueError) as exc:
             skipped.append(f"{entry.slug}: {exc}")
             continue
@@ -71,27 +83,52 @@ def model_registry_sensor(context: dg.SensorEvaluationContext, lens: UpdateLensR
             partition_requests.append(MODEL_LAYER.build_add_request(new))
         if entry.slug not in existing_models:
             partition_requests.append(MODELS.build_add_request([entry.slug]))
-        if len(new) == len(keys):  # a new model: automation runs what the data root lacks
+        if len(new) == len(keys):  # new to this instance: what the data root holds up to date is reported
             events += found_on_disk(lens, entry.slug, depth)
-        elif context.cursor is None:  # known to the instance before the sensor's first evaluation
+        elif first:  # known to the instance before the sensor's first evaluation
             # (e.g. `updatelens run`): no earlier source to differ from, and its partitions may hold
             # another configuration than this deployment's on purpose: nothing is rerun
             context.log.info(f"model {entry.slug!r} is already known to this instance; its partitions stay as "
                              f"they are (later changes to its source rerun what they make stale)")
-        else:  # its source changed: what the new source makes stale reruns
-            run_requests.extend(stale_run_requests(lens, entry.slug, depth, fingerprint(entry)))
+            continue
+        requests = stale_run_requests(lens, entry.slug, depth, fingerprint(entry))
+        if not requests:
+            continue
+        n_stale = sum(len(model_keys_of(r)) for r in requests)
+        estimate = cost_estimate(lens, entry.slug, n_stale, width)
+        if first and not entry.auto_run:
+            waiting.append(entry.slug)
+            context.log.info(f"model {entry.slug!r}: {estimate} not analysed in this root; not launched on opening "
+                             f"(launch it from the asset graph, with `updatelens run --model {entry.slug}`, or set "
+                             f"auto_run = true in its registry entry)")
+            continue
+        context.log.info(f"model {entry.slug!r}: launching {estimate}")
+        run_requests.extend(requests)
     for slug in changes.removed:
         context.log.info(f"model {slug!r} left the registry: it is not rerun; its results stay queryable")
     for line in skipped:
         context.log.warning(f"cannot add model {line}")
+    reasons = ([f"waiting to be launched: {', '.join(waiting)}"] if waiting else []) + (
+        [f"skipped: {'; '.join(skipped)}"] if skipped else [])
     return dg.SensorResult(
         run_requests=run_requests,
         dynamic_partitions_requests=partition_requests,
         asset_events=events,
         cursor=changes.cursor,
         skip_reason=None if run_requests or partition_requests else
-        "no registry change needs partitions or runs" + (f" ({'; '.join(skipped)})" if skipped else ""),
+        "no registry change needs partitions or runs" + (f" ({'; '.join(reasons)})" if reasons else ""),
     )
+
+
+def model_keys_of(request: dg.RunRequest) -> list[str]:
+    """The partition keys a run request covers (one key, or a key range's)."""
+    if request.partition_key:
+        return [request.partition_key]
+    span = tagged_key_span(request.tags)
+    if span is None:
+        return []
+    model, first = parse_key(span[0])
+    return model_keys(model, parse_key(span[1])[1] + 1)[first:]
 
 
 # Evaluates the stage assets' automation conditions (on by default, unlike Dagster's default
@@ -99,23 +136,46 @@ def model_registry_sensor(context: dg.SensorEvaluationContext, lens: UpdateLensR
 stage_automation_sensor = dg.AutomationConditionSensorDefinition(
     "stage_automation", target=dg.AssetSelection.assets(*STAGE_NAMES), default_status=dg.DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=30,
-    description="Declarative automation of the five stages: missing (model, layer) partitions materialize, "
-                "each stage follows its upstream's updates.")
+    description="Declarative automation of the stages: each follows its upstream's updates. Missing partitions are "
+                "launched by the registry sensor or by someone, never by this sensor.")
 
 
 def models_of_run(tags: dict[str, str]) -> list[str]:
-    """The models an analyse run covered, from its partition tags (a key or a key range)."""
+    """The models a run over (model, layer) partitions covered, from its partition tags (a key or a key
+    range); none for a run of other partitions (a report's, keyed by model)."""
     span = tagged_key_span(tags)
-    return sorted({parse_key(key)[0] for key in span}) if span else []
+    if not span:
+        return []
+    try:
+        return sorted({parse_key(key)[0] for key in span})
+    except ValueError:
+        return []
 
 
-@dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, monitored_jobs=[analyse_job],
-                      request_jobs=[report_job, comparison_job], default_status=dg.DefaultSensorStatus.RUNNING,
-                      description="After an analyse run succeeds: rebuild the reports of the models it covered, "
-                                  "then the comparison across models (from stored results, no recomputation).")
+def analysed_stages(run: dg.DagsterRun) -> bool:
+    """Whether the run materialized a stage asset: the `analyse` job, a stage job, the UI's Materialize
+    button, automation or a backfill (an asset selection naming a stage, or a job over all of them)."""
+    if run.job_name in (report_job.name, comparison_job.name):
+        return False
+    selection = run.asset_selection
+    if selection is None:
+        return run.job_name == analyse_job.name or run.job_name.startswith("stage_")
+    return any(key.to_user_string() in STAGE_NAMES for key in selection)
+
+
+@dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, request_jobs=[report_job, comparison_job],
+                      default_status=dg.DefaultSensorStatus.RUNNING,
+                      description="After any run that materialized a stage succeeds (the analyse job, a stage job, "
+                                  "the UI's Materialize button, automation, a backfill): rebuild the reports of the "
+                                  "models it covered, then the comparison across models (from stored results, no "
+                                  "recomputation).")
 def reports_after_analysis(context: dg.RunStatusSensorContext) -> list[dg.RunRequest]:
     run = context.dagster_run
+    if not analysed_stages(run):
+        return []
     models = models_of_run(dict(run.tags))
+    if not models:
+        return []
     existing = set(context.instance.get_dynamic_partitions(MODELS.name))
     new = [m for m in models if m not in existing]
     if new:

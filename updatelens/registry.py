@@ -55,6 +55,10 @@ class ModelEntry:
     revision: str = ""
     package: str = ""  # embedded: the Python package that carries the weights
     file: str = ""  # embedded: file name inside that package (a GGUF)
+    # run it when a deployment first sees it (opening the UI on a root where it never ran); by default
+    # a model never analysed in the root waits for someone to launch it (a model added to the
+    # registry while the deployment runs is always launched)
+    auto_run: bool = False
 
     def describe(self) -> str:
         if self.source == "local":
@@ -103,10 +107,14 @@ def load_models(path: Path | None = None) -> dict[str, ModelEntry]:
     out: dict[str, ModelEntry] = {}
     for slug, fields in raw.items():
         _check_slug(slug, "model", path)
-        unknown = set(fields) - {"source", "path", "id", "revision", "package", "file"}
+        unknown = set(fields) - {"source", "path", "id", "revision", "package", "file", "auto_run"}
         if unknown:
             raise RegistryError(f"model {slug!r} in {path} has unknown keys {sorted(unknown)}")
-        entry = ModelEntry(slug=slug, **{k: str(v) for k, v in fields.items()})
+        auto_run = fields.get("auto_run", False)
+        if not isinstance(auto_run, bool):
+            raise RegistryError(f"model {slug!r} in {path}: auto_run must be true or false, got {auto_run!r}")
+        entry = ModelEntry(slug=slug, auto_run=auto_run,
+                           **{k: str(v) for k, v in fields.items() if k != "auto_run"})
         if entry.source not in MODEL_SOURCES:
             raise RegistryError(f"model {slug!r} has source {entry.source!r}; use one of {MODEL_SOURCES}")
         if entry.source == "local" and not entry.path:

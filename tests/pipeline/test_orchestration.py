@@ -10,12 +10,18 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from updatelens.assets.partitions import ASSET_PARTITION_RANGE_START_TAG, MODEL_LAYER, model_keys
+from updatelens.assets.partitions import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    MODEL_LAYER,
+    model_keys,
+)
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
 from updatelens.orchestration.definitions import ASSETS, defs
 from updatelens.orchestration.runner import dagster_yaml, materialize_model
 from updatelens.orchestration.schedules import stale_partitions_schedule
 from updatelens.orchestration.sensors import model_registry_sensor, reports_after_analysis
+from updatelens.stages import STAGE_NAMES
 from updatelens.storage.layout import delete_partition
 
 SETTINGS = dict(n_seq=6, seq_len=16, k=8, rank=2)
@@ -52,30 +58,32 @@ def automation(instance: dg.DagsterInstance, cursor: object = None) -> tuple[dic
     return {stage: keys for stage, keys in requested.items() if keys}, result.cursor
 
 
-STAGES = ["activations", "local_fits", "residuals", "geometry", "functional_metrics"]
+STAGES = list(STAGE_NAMES)
 
 
-def test_a_new_model_gets_partitions_from_the_sensor_and_runs_from_automation(zoo: Path,
-                                                                               lens: UpdateLensResource) -> None:
+def test_opening_a_root_launches_nothing_and_a_model_added_later_is_launched(zoo: Path,
+                                                                           lens: UpdateLensResource) -> None:
+    """Nothing heavy starts because a deployment opened: a registry model never analysed in the root is
+    shown as missing (its partitions exist) and waits; a model added while the deployment runs is launched."""
     instance = dg.DagsterInstance.ephemeral()
     requested, cursor = automation(instance)  # the automation sensor runs before any model is known
     assert requested == {}
     first = tick(instance, lens, None)
-    assert not first.run_requests  # the sensor only reads the registry and adds partitions
+    assert not first.run_requests  # never analysed here: shown as missing, not launched
     assert instance.get_dynamic_partitions(MODEL_LAYER.name) == model_keys("tiny-gpt2", 3)
     assert instance.get_dynamic_partitions("models") == ["tiny-gpt2"]  # the report's and sweep's key
-    requested, cursor = automation(instance, cursor)
-    assert requested == {stage: model_keys("tiny-gpt2", 3) for stage in STAGES}  # every stage, every layer
-    assert automation(instance, cursor)[0] == {}  # requested once, not again on the next tick
+    for _ in range(2):  # nor by declarative automation, on this tick or the next
+        requested, cursor = automation(instance, cursor)
+        assert requested == {}
 
     again = tick(instance, lens, first.cursor)  # no change: nothing (daemon restart too)
     assert not again.run_requests and not again.dynamic_partitions_requests and again.cursor == first.cursor
 
     write_registry(Path(lens.registry), zoo, ["tiny-gpt2", "tiny-mamba"])
-    added = tick(instance, lens, again.cursor)
-    assert not added.run_requests
-    requested, _ = automation(instance, cursor)
-    assert requested == {stage: model_keys("tiny-mamba", 3) for stage in STAGES}
+    added = tick(instance, lens, again.cursor)  # added while the deployment runs: launched, as one range run
+    assert [(r.tags[ASSET_PARTITION_RANGE_START_TAG], r.tags[ASSET_PARTITION_RANGE_END_TAG]) for r in added.run_requests] \
+        == [("tiny-mamba:00", "tiny-mamba:02")]
+    assert automation(instance, cursor)[0] == {}
 
     write_registry(Path(lens.registry), zoo, ["tiny-mamba"])
     removed = tick(instance, lens, added.cursor)
@@ -83,12 +91,13 @@ def test_a_new_model_gets_partitions_from_the_sensor_and_runs_from_automation(zo
     assert "tiny-gpt2" not in removed.cursor
 
 
-def test_partitions_added_before_the_first_evaluation_are_requested_too(lens: UpdateLensResource) -> None:
+def test_a_model_whose_entry_says_auto_run_runs_when_the_deployment_opens(zoo: Path, lens: UpdateLensResource) -> None:
+    path = tomllib.loads(Path(lens.registry).read_text())["models"]["tiny-gpt2"]["path"]
+    Path(lens.registry).write_text(f'[models.tiny-gpt2]\nsource = "local"\npath = "{path}"\nauto_run = true\n'
+                                   '[corpora.wiki-embedded]\nsource = "embedded"\n')
     instance = dg.DagsterInstance.ephemeral()
-    tick(instance, lens, None)  # the registry sensor ticked first
-    requested, cursor = automation(instance)
-    assert requested == {stage: model_keys("tiny-gpt2", 3) for stage in STAGES}
-    assert automation(instance, cursor)[0] == {}
+    first = tick(instance, lens, None)
+    assert [r.tags[ASSET_PARTITION_RANGE_START_TAG] for r in first.run_requests] == ["tiny-gpt2:00"]
 
 
 def test_a_changed_source_reruns_its_stale_partitions_one_run_per_layer_under_a_cluster_profile(
