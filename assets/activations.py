@@ -14,7 +14,7 @@ from updatelens.analysis import activation_rows, provenance, token_rows
 from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.capture import capture_batches
+from updatelens.capture import capture_batches, self_only_layers
 from updatelens.preflight import check_data_root
 
 
@@ -43,7 +43,7 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
                      for layer in layers}
             token_sinks = {layer: stack.enter_context(store.partition("tokens", model, layer).writer())
                            for layer in layers}
-            self_only = layers if "self_only" in cfg.positive_controls and lm.self_attention else []
+            self_only = self_only_layers(lm, cfg.positive_controls, layers)
             for batch in capture_batches(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch,
                                          last_block=max(layers), self_only=self_only):
                 text = token_rows(lm.tokenizer, batch.input_ids, 0, prov, batch.start)

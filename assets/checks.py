@@ -508,8 +508,10 @@ def check_controls(geometry: pa.Table, spectra: pa.Table, n_kept: int, classes: 
     found = sorted(set(geometry["control"].to_pylist()))
     verdict = Verdict()
     verdict.expect("every positive control present", found == sorted(expected),
-                   f"controls stored {found}, expected {sorted(expected)}", found)
-    for control in expected:
+                   f"controls stored {found}, expected {sorted(expected)}",
+                   [{"control": c, "problem": "missing" if c in expected else "not asked for"}
+                    for c in sorted(set(found) ^ set(expected))])
+    for control in [c for c in expected if c in found]:  # a missing one is named above, not measured empty
         rows = geometry.filter(pc.equal(geometry["control"], control)).drop_columns(["control"])
         spec = spectra.filter(pc.equal(spectra["control"], control)).drop_columns(["control"])
         verdict.merge(check_geometry(rows, spec, n_kept, classes), prefix=f"{control}: ")

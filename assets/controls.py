@@ -3,6 +3,8 @@ tokenwise by construction (engine: `updatelens.controls`), measured by the geome
 what the estimator shows when the paper's structure is there. Reads a whole layer at a time (the
 linear control's leave-one-document-out fit needs every token)."""
 
+import functools
+
 import dagster as dg
 import numpy as np
 import pyarrow as pa
@@ -13,12 +15,8 @@ from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.config import LOCAL_CLASSES
-from updatelens.controls import control_tables, made_controls
-from updatelens.schemas import empty_table
-from updatelens.stages import BY_NAME
+from updatelens.controls import control_layer_tables, made_controls
 from updatelens.tables import Provenance, to_matrix
-
-TABLES = BY_NAME["controls"].tables  # control_geometry, control_spectra, control_geometry_bootstrap
 
 
 def stored_neighbours(fits: pa.Table, order: tuple[np.ndarray, np.ndarray]) -> np.ndarray | None:
@@ -32,6 +30,10 @@ def stored_neighbours(fits: pa.Table, order: tuple[np.ndarray, np.ndarray]) -> n
     if not (np.array_equal(part["seq"].to_numpy(), seq) and np.array_equal(part["pos"].to_numpy(), pos)):
         raise ValueError("local_fits do not cover the kept tokens of the activations")
     return to_matrix(part["neighbours"], np.int64)
+
+
+def log_for(context: dg.AssetExecutionContext, model: str, message: str) -> None:
+    context.log.info(f"{model} {message}")
 
 
 @stage_asset
@@ -52,14 +54,8 @@ def controls(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
                     data.y_full.shape)
             neighbours = stored_neighbours(store.partition("local_fits", model, layer).read(
                 ["fn_class", "seq", "pos", "neighbours"]), (data.seq, data.pos))
-            made: dict[str, list[pa.Table]] = {t: [] for t in TABLES}
-            for control, tables in control_tables(data, y_self, neighbours, cfg, prov):
-                context.log.info(f"{model} layer {layer}: positive control {control} fitted and measured")
-                for name, part in zip(TABLES, tables):
-                    made[name].append(part)
-            stored = {name: written.add(store.partition(name, model, layer),
-                                        pa.concat_tables(parts) if parts else empty_table(name, cfg))
-                      for name, parts in made.items()}
+            made = control_layer_tables(data, y_self, neighbours, cfg, prov, log=functools.partial(log_for, context, model))
+            stored = {name: written.add(store.partition(name, model, layer), table) for name, table in made.items()}
             expected = made_controls(cfg.positive_controls, y_self is not None)
             written.note(model, layer, positive_controls=",".join(expected) or "none")
             verdicts[f"{model}:{layer:02d}"] = checks.check_controls(

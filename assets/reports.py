@@ -14,6 +14,7 @@ import polars as pl
 
 from updatelens import CODE_VERSION
 from updatelens.assets.common import md_table
+from updatelens.assets.controls import controls
 from updatelens.assets.functional_metrics import functional_metrics
 from updatelens.assets.geometry import geometry
 from updatelens.assets.partitions import MODELS
@@ -75,7 +76,8 @@ def _check_report(report: Report, captions: dict[str, str]) -> dg.AssetCheckResu
 @dg.asset(
     partitions_def=MODELS,
     deps=[dg.AssetDep(geometry, partition_mapping=dg.AllPartitionMapping()),  # the views it reads
-          dg.AssetDep(functional_metrics, partition_mapping=dg.AllPartitionMapping()), "convention_sweep"],
+          dg.AssetDep(functional_metrics, partition_mapping=dg.AllPartitionMapping()),
+          dg.AssetDep(controls, partition_mapping=dg.AllPartitionMapping()), "convention_sweep"],
     group_name="reports",
     kinds={"html", "matplotlib"},
     code_version=CODE_VERSION,

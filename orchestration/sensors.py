@@ -153,13 +153,16 @@ def models_of_run(tags: dict[str, str]) -> list[str]:
 
 
 def analysed_stages(run: dg.DagsterRun) -> bool:
-    """Whether the run materialized a stage asset: the `analyse` job, a stage job, the UI's Materialize
-    button, automation or a backfill (an asset selection naming a stage, or a job over all of them)."""
+    """Whether the run may have materialized a stage asset: the `analyse` job, a stage job, the UI's
+    Materialize button, automation, a backfill or an in-process `materialize` (an asset selection that
+    names a stage, or none: a job's selection left None, or empty as `dg.materialize` leaves it, means
+    all of its assets). Which models it covered comes from its (model, layer) partition tags
+    (`models_of_run`), so a job without them (calibrate) requests nothing."""
     if run.job_name in (report_job.name, comparison_job.name):
         return False
     selection = run.asset_selection
-    if selection is None:
-        return run.job_name == analyse_job.name or run.job_name.startswith("stage_")
+    if not selection:
+        return True
     return any(key.to_user_string() in STAGE_NAMES for key in selection)
 
 

@@ -23,7 +23,7 @@ from updatelens.bootstrap import (
     sequence_counts,
     weighted_spearman,
 )
-from updatelens.capture import Captured, capture, kept_mask
+from updatelens.capture import Captured, capture, kept_mask, self_only_layers
 from updatelens.config import LOCAL_CLASSES, AnalysisConfig
 from updatelens.corpus import Sample
 from updatelens.findings import TOKEN_STATISTICS
@@ -106,7 +106,8 @@ def token_rows(tokenizer: object, input_ids: np.ndarray, layer: int, prov: Prove
 
 def activations_table(cap: Captured, layer: int, cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray) -> pa.Table:
     """Transition l of a whole in-memory capture (notebooks, sweeps); `docs`: the sample's doc_index."""
-    return activation_rows(cap.states, cap.input_ids, cap.attention_mask, layer, cfg, prov, docs)
+    return activation_rows(cap.states, cap.input_ids, cap.attention_mask, layer, cfg, prov, docs,
+                           self_only=cap.self_only.get(layer))
 
 
 @dataclass
@@ -641,10 +642,14 @@ class LayerResult:
 
 
 def analyse_layer(lm: LoadedModel, data: LayerData, orig: OriginalOutput, cfg: AnalysisConfig, prov: Provenance,
-                  returns_tuple: bool = False, tables: Collection[str] = TABLES) -> dict[str, pa.Table]:
+                  returns_tuple: bool = False, tables: Collection[str] = TABLES,
+                  y_self: np.ndarray | None = None) -> dict[str, pa.Table]:
     """The tables of the stages after the capture for one layer, in memory, in the stages' order
     (updatelens.stages); only what `tables` asks for is built. The assets run the same steps stage by
-    stage, streaming blocks of sequences through storage."""
+    stage, streaming blocks of sequences through storage. `y_self` [n_seq, T, d]: the layer's
+    self-only block outputs (the positive control; None where the architecture has none)."""
+    from updatelens.controls import CONTROL_TABLES, control_layer_tables  # controls builds on this module
+
     fits, neighbours = compute_fits(data, cfg)
     out: dict[str, pa.Table] = {}
     if "local_fits" in tables:
@@ -658,6 +663,8 @@ def analyse_layer(lm: LoadedModel, data: LayerData, orig: OriginalOutput, cfg: A
         out["functional_metrics"], out["functional_summary"] = fm, fs
         if "functional_bootstrap" in tables:
             out["functional_bootstrap"] = functional_bootstrap_table(fm, cfg, prov, data.layer, sample_docs(data))
+    if set(CONTROL_TABLES) & set(tables):
+        out.update(control_layer_tables(data, y_self, neighbours, cfg, prov))
     return {name: out[name] for name in TABLES if name in tables and name in out}
 
 
@@ -666,10 +673,13 @@ def analyse_model(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig,
     """Every stage for each layer, in memory, one layer at a time (for notebooks and tests)."""
     cfg.validate(d_model=lm.d_model, max_positions=lm.max_positions)
     prov = provenance(lm, sample, cfg)
-    cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
+    chosen = list(layers) if layers is not None else list(range(lm.n_layers))
+    cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch,
+                  self_only=self_only_layers(lm, cfg.positive_controls, chosen))
     orig = original_output(lm, sample.input_ids, cfg.patch_batch)
-    for layer in layers if layers is not None else range(lm.n_layers):
+    for layer in chosen:
         act = activations_table(cap, layer, cfg, prov, sample.doc_index)
         tables = {"activations": act, "tokens": token_rows(lm.tokenizer, sample.input_ids, layer, prov)}
-        tables.update(analyse_layer(lm, layer_data(act), orig, cfg, prov, cap.block_returns_tuple))
+        tables.update(analyse_layer(lm, layer_data(act), orig, cfg, prov, cap.block_returns_tuple,
+                                    y_self=cap.self_only.get(layer)))
         yield LayerResult(layer, tables)

@@ -35,6 +35,8 @@ class Captured:
     input_ids: np.ndarray  # [n_seq, seq_len]
     attention_mask: np.ndarray  # [n_seq, seq_len]
     block_returns_tuple: bool
+    # block l run on h_l with each token attending to itself alone, per layer asked for: [n_seq, seq_len, d]
+    self_only: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:
@@ -244,13 +246,22 @@ def _counting_blocks(blocks: Iterable[nn.Module], bar: Progress) -> Iterator[Non
             handle.remove()
 
 
-def capture(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.ndarray, batch_size: int = 8) -> Captured:
-    """The whole sample's states in memory ([L+1, n_seq, seq_len, d]): for notebooks, tests and
-    small samples. The pipeline streams with `capture_batches` instead."""
-    batches = list(capture_batches(lm, input_ids, attention_mask, batch_size))
+def self_only_layers(lm: LoadedModel, positive_controls: Iterable[str], layers: Iterable[int]) -> list[int]:
+    """The layers whose self-only block outputs a capture makes: all of `layers` where the self-only
+    control is asked for and the architecture's blocks take an attention mask, else none."""
+    return sorted(set(layers)) if "self_only" in positive_controls and lm.self_attention else []
+
+
+def capture(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.ndarray, batch_size: int = 8,
+            self_only: Iterable[int] = ()) -> Captured:
+    """The whole sample's states in memory ([L+1, n_seq, seq_len, d]), with the self-only block
+    outputs of the layers in `self_only`: for notebooks, tests and small samples. The pipeline
+    streams with `capture_batches` instead."""
+    batches = list(capture_batches(lm, input_ids, attention_mask, batch_size, self_only=self_only))
     states = np.concatenate([b.states for b in batches], axis=1)
+    alone = {layer: np.concatenate([b.self_only[layer] for b in batches]) for layer in batches[0].self_only}
     return Captured(states=states, input_ids=input_ids, attention_mask=attention_mask,
-                    block_returns_tuple=batches[-1].block_returns_tuple)
+                    block_returns_tuple=batches[-1].block_returns_tuple, self_only=alone)
 
 
 def kept_mask(attention_mask: np.ndarray, skip_first_position: bool) -> np.ndarray:

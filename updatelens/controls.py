@@ -18,7 +18,7 @@ sets each finding's real value beside its controls'.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -27,7 +27,11 @@ import pyarrow as pa
 from updatelens.analysis import LayerData, geometry_tables
 from updatelens.config import AnalysisConfig
 from updatelens.fits import fit_layer
+from updatelens.schemas import empty_table
+from updatelens.stages import BY_NAME
 from updatelens.tables import Provenance
+
+CONTROL_TABLES = BY_NAME["controls"].tables  # control_geometry, control_spectra, control_geometry_bootstrap
 
 
 def linear_target(x: np.ndarray, y: np.ndarray, doc: np.ndarray, ridge: float) -> np.ndarray:
@@ -90,6 +94,20 @@ def control_tables(data: LayerData, y_self: np.ndarray | None, neighbours: np.nd
         tables = geometry_tables(controlled, fits, cfg, prov, null_spectra=False)
         geometry, spectra, resamples = (_with_control(t, control) for t in tables)
         yield control, (geometry, spectra, resamples)
+
+
+def control_layer_tables(data: LayerData, y_self: np.ndarray | None, neighbours: np.ndarray | None,
+                         cfg: AnalysisConfig, prov: Provenance,
+                         log: Callable[[str], None] = lambda _msg: None) -> dict[str, pa.Table]:
+    """The controls stage's tables of one layer (`control_geometry`, `control_spectra`,
+    `control_geometry_bootstrap`): every control's rows, or the empty table where none is made. The
+    asset and the in-memory analysis (`analysis.analyse_layer`) both build them here."""
+    made: dict[str, list[pa.Table]] = {name: [] for name in CONTROL_TABLES}
+    for control, tables in control_tables(data, y_self, neighbours, cfg, prov):
+        log(f"layer {data.layer}: positive control {control} fitted and measured")
+        for name, part in zip(CONTROL_TABLES, tables):
+            made[name].append(part)
+    return {name: pa.concat_tables(parts) if parts else empty_table(name, cfg) for name, parts in made.items()}
 
 
 def _with_control(table: pa.Table, control: str) -> pa.Table:

@@ -67,7 +67,7 @@ def test_clean_data_passes_every_check(zoo: Path, tmp_path: Path) -> None:
     checks = evaluations(result)
     assert set(checks) == {"activations_valid", "activations_match_hidden_states", "fits_valid", "fits_refit_audit",
                            "residuals_match_fits", "rel_err_within_bounds", "rel_err_drift", "no_blown_up_fits",
-                           "geometry_ranges", "functional_valid"}
+                           "geometry_ranges", "controls_valid", "functional_valid"}
     assert all(e.passed for e in checks.values()), {n: e.description for n, e in checks.items() if not e.passed}
     meta = checks["residuals_match_fits"].metadata
     assert meta["expectations_failed"].value == 0 and meta["expectations_evaluated"].value > 5
@@ -105,8 +105,13 @@ def test_wrong_row_count_in_activations_blocks_the_fits(zoo: Path, tmp_path: Pat
 def test_wrong_vector_length_blocks_the_fits(zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """x and y one entry short (a capture from another width: the schema takes any width shared by
     a table's vectors, the check compares it with the model's)."""
-    corrupt(monkeypatch, assets.activations, "activation_rows",
-            lambda t: with_vectors(with_vectors(t, "x", lambda v: v[:, :-1]), "y", lambda v: v[:, :-1]))
+    def short(t: pa.Table) -> pa.Table:
+        for column in ("x", "y", "y_self"):
+            if t[column].null_count < len(t):  # y_self: only at the layers that capture a self-only control
+                t = with_vectors(t, column, lambda v: v[:, :-1])
+        return t
+
+    corrupt(monkeypatch, assets.activations, "activation_rows", short)
     result, instance = run(zoo, tmp_path)
     assert_blocked(result, instance, "activations_valid", "x vectors have length 31, expected d_model = 32",
                    "local_fits", tmp_path)
@@ -232,6 +237,31 @@ def test_a_block_written_twice_by_the_streamed_geometry_fails_its_check(zoo: Pat
     assert not evaluation.passed
     assert "ExpectTableRowCountToEqual" in evaluation.description
     assert "ExpectCompoundColumnsToBeUnique" in evaluation.description
+
+
+def test_a_control_lost_or_out_of_range_fails_the_controls_check(zoo: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controls stage loses its self-only control (only the linear one is stored, where both were
+    asked for), and the linear control's cosines leave [-1, 1]: controls_valid names both."""
+    import updatelens.controls as stage
+
+    original = stage.control_tables
+
+    def broken(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        for control, (geometry, spectra, resamples) in original(*args, **kwargs):
+            if control == "self_only":
+                continue
+            column = geometry.schema.get_field_index("cos_full_tok")
+            geometry = geometry.set_column(column, "cos_full_tok", pc.add(geometry["cos_full_tok"], 3.0))
+            yield control, (geometry, spectra, resamples)
+
+    monkeypatch.setattr(stage, "control_tables", broken)
+    monkeypatch.setitem(SETTINGS, "positive_controls", ["self_only", "linear"])
+    result, _ = run(zoo, tmp_path)
+    evaluation = evaluations(result)["controls_valid"]
+    assert not evaluation.passed
+    assert "controls stored ['linear'], expected ['linear', 'self_only']" in evaluation.description
+    assert "linear: " in evaluation.description and "out_of_range" in evaluation.description, evaluation.description
 
 
 def test_unnormalised_distributions_fail_the_functional_check_before_the_clamp(

@@ -18,6 +18,7 @@ from tests import cluster
 from tests.zoo import N_LAYERS
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
 from updatelens.assets.routing import CPU_QUEUE, GPU_QUEUE
+from updatelens.findings import FINDINGS
 from updatelens.orchestration.runner import check_verdicts, dagster_yaml, materialize_layers_distributed, materialize_model
 from updatelens.stages import TABLES
 from updatelens.storage import catalog
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.needs_tool(("redis-server",), ".ci/run installs Debian'
 MODEL = "tiny-llama"
 SETTINGS = dict(n_seq=6, seq_len=16, k=8, rank=2, classes=["diagonal", "lowrank"])
 MODEL_STEPS = {"activations", "functional_metrics"}
-LIGHT_STEPS = {"local_fits", "residuals", "geometry"}
+LIGHT_STEPS = {"local_fits", "residuals", "geometry", "controls"}
 # The last layer: one cluster run (a step process per stage and layer is what costs here; a run per
 # layer is the same path again)
 LAYERS = [N_LAYERS - 1]
@@ -95,6 +96,6 @@ def test_pipeline_on_local_cluster_equals_local_run(zoo: Path, tmp_path: Path, m
             for table in TABLES:
                 assert_frame_equal(_table(in_bucket, table), _table(on_disk, table),
                                    check_exact=False, rel_tol=1e-4, abs_tol=1e-5)
-            assert len(in_bucket.sql("SELECT finding, value FROM findings ORDER BY finding").pl()) == 10
+            assert len(in_bucket.sql("SELECT finding, value FROM findings ORDER BY finding").pl()) == len(FINDINGS)
         assert not (tmp_path / "s3:").exists() and not Path("s3:").exists()
     print(f"\nlocal in-process run {local_wall:.1f} s; local cluster (2 celery workers, S3) {cluster_wall:.1f} s")

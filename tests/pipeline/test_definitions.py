@@ -12,13 +12,14 @@ LINEAGE = {
     "residuals": {"activations", "local_fits"},  # each stage depends on the stages whose tables it reads
     "geometry": {"activations", "local_fits"},
     "functional_metrics": {"activations", "local_fits"},
+    "controls": {"activations", "local_fits"},  # the positive controls reuse the real layer's neighbours
 }
 
 
 # per model (its slug), reading every (model, layer) partition upstream
 PER_MODEL = {
     "convention_sweep": (set(), "models"),
-    "report": ({"geometry", "functional_metrics", "convention_sweep"}, "models"),
+    "report": ({"geometry", "functional_metrics", "controls", "convention_sweep"}, "models"),
     "comparison_report": ({"report"}, None),
 }
 
@@ -38,7 +39,8 @@ def test_asset_graph_snapshot() -> None:
         assert isinstance(node.partitions_def, dg.DynamicPartitionsDefinition)
         assert node.partitions_def.name == "model_layer"
         assert node.group_name == {"activations": "capture", "local_fits": "decomposition",
-                                   "residuals": "decomposition"}.get(key, "analysis")
+                                   "residuals": "decomposition",
+                                   "controls": "calibration"}.get(key, "analysis")
         assert node.backfill_policy == dg.BackfillPolicy.single_run()
 
 
@@ -54,7 +56,7 @@ def test_jobs_and_resources() -> None:
 
 # Where each stage's step may run: model steps on GPU workers, the others anywhere.
 QUEUES = {"activations": "gpu", "local_fits": "cpu", "residuals": "cpu", "geometry": "cpu",
-          "functional_metrics": "gpu"}
+          "functional_metrics": "gpu", "controls": "cpu"}
 
 
 def test_deployment_profiles_select_the_executor_and_route_steps(monkeypatch) -> None:

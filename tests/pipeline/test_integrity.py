@@ -122,7 +122,7 @@ def test_the_study_record_reads_every_runs_step_times_from_its_dagster_home(zoo:
     table = study_record(home, summary, 96, "cpu", tmp_path / "bench", registry=zoo)
     assert "study_wall_s" in table and "study_functional_s" in table
     steps = json.loads((tmp_path / "bench" / "study.json").read_text())["steps"]
-    stages = ["activations", "local_fits", "residuals", "geometry", "functional_metrics"]
+    stages = ["activations", "local_fits", "residuals", "geometry", "controls", "functional_metrics"]
     for key in (f"{MODEL}:00", f"{MODEL}:02"):
         assert sorted(s["step"] for s in steps if s["partitions"] == key) == sorted(stages)
     assert all(s["seconds"] > 0 for s in steps)

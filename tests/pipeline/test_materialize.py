@@ -12,6 +12,7 @@ from tests.zoo import N_LAYERS
 from updatelens.assets.common import StaleInputError
 from updatelens.assets.partitions import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG, layer_key
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
+from updatelens.findings import FINDINGS
 from updatelens.orchestration.definitions import ASSETS
 from updatelens.orchestration.runner import failure_message, materialize_model
 from updatelens.stages import TABLES
@@ -64,7 +65,7 @@ def test_every_view_is_queryable_from_the_catalog_file(run) -> None:
         for view, n in expected.items():
             assert con.sql(f"SELECT count(*) FROM {view}").fetchone()[0] == n, view
         assert con.sql("SELECT count(*) FROM spectra").fetchone()[0] > 0
-        assert con.sql("SELECT count(*) FROM findings").fetchone()[0] == len(MODELS) * 10  # 10 rows per model
+        assert con.sql("SELECT count(*) FROM findings").fetchone()[0] == len(MODELS) * len(FINDINGS)  # per finding, model
         columns = {row[0] for row in con.sql("DESCRIBE layer_summary").fetchall()}
         assert LAYER_SUMMARY_COLUMNS <= columns
         bad = con.sql("SELECT count(*) FROM layer_summary WHERE n_tokens <> ? OR kl_mean IS NULL "

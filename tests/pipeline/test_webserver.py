@@ -79,7 +79,8 @@ def webserver(tmp_path_factory: pytest.TempPathFactory):
 def test_assets_partitions_and_checks_appear_in_graphql(webserver: int) -> None:
     nodes = {tuple(n["assetKey"]["path"]): n for n in graphql(webserver, QUERY)["data"]["assetNodes"]}
     per_model = {("report",), ("convention_sweep",), ("comparison_report",)}
-    assert set(nodes) == {("activations",), ("local_fits",), ("residuals",), ("geometry",), ("functional_metrics",),
+    assert set(nodes) == {("activations",), ("local_fits",), ("residuals",), ("geometry",), ("controls",),
+                          ("functional_metrics",),
                           *per_model}
     assert nodes[("report",)]["partitionDefinition"] == {"type": "DYNAMIC", "name": "models"}
     assert [c["name"] for c in nodes[("report",)]["assetChecksOrError"]["checks"]] == ["report_complete"]
