@@ -9,6 +9,7 @@ from __future__ import annotations
 import bz2
 import importlib.util
 import re
+import stat
 import xml.etree.ElementTree as ET
 from collections.abc import Generator, Iterator
 from contextlib import closing
@@ -22,6 +23,7 @@ from updatelens.registry import CorpusEntry
 
 WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 MIN_DOC_CHARS = 200
+MAX_TEXT_BYTES = 1 << 30  # a text corpus file above 1 GiB is refused before it is read
 
 
 @dataclass(frozen=True)
@@ -113,14 +115,43 @@ def iter_embedded_wiki() -> Iterator[str]:
             elem.clear()
 
 
-def read_text_file(path: Path) -> list[str]:
-    if not path.exists():
-        raise CorpusError(f"corpus file {path} does not exist")
+def check_text_file(path: Path, max_bytes: int = MAX_TEXT_BYTES) -> int:
+    """The corpus file's size, after checking what it is before reading its content: a regular file
+    (not a folder, FIFO, device or socket, which could hang or never end), not empty, at most
+    `max_bytes` (a huge or sparse file is refused before it fills memory), and text in its first
+    8 KiB (no NUL bytes)."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise CorpusError(f"corpus file {path} does not exist") from None
+    except OSError as exc:
+        raise CorpusError(f"corpus file {path} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a folder" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode)
+                else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode)
+                else "a socket" if stat.S_ISSOCK(info.st_mode) else "not a regular file")
+        raise CorpusError(f"corpus file {path} is {kind}; give a UTF-8 text file")
+    if info.st_size == 0:
+        raise CorpusError(f"corpus file {path} is empty")
+    if info.st_size > max_bytes:
+        raise CorpusError(f"corpus file {path} is {info.st_size / 2**30:.1f} GiB, above the "
+                          f"{max_bytes / 2**30:g} GiB a text corpus may hold; give a slice of it")
+    try:
+        with path.open("rb") as f:
+            head = f.read(8192)
+    except OSError as exc:
+        raise CorpusError(f"corpus file {path} cannot be read: {exc.strerror}") from None
+    if b"\x00" in head:
+        raise CorpusError(f"corpus file {path} looks binary (NUL bytes); give a UTF-8 text file")
+    return info.st_size
+
+
+def read_text_file(path: Path, max_bytes: int = MAX_TEXT_BYTES) -> list[str]:
+    """The file's text as one document (paragraphs joined), checked by `check_text_file` first."""
+    check_text_file(path, max_bytes)
     raw = path.read_bytes()
     if not raw.strip():
         raise CorpusError(f"corpus file {path} is empty")
-    if b"\x00" in raw[:8192]:
-        raise CorpusError(f"corpus file {path} looks binary (NUL bytes); give a UTF-8 text file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from updatelens.config import AnalysisConfig, preset_layers
-from updatelens.corpus import Sample, make_sample
+from updatelens.corpus import Sample, check_text_file, make_sample
 from updatelens.errors import ConfigError, ModelError, UpdateLensError
 from updatelens.models import resolve_source, window_bos
 from updatelens.registry import CorpusEntry, ModelEntry
@@ -116,6 +116,8 @@ def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_
     counts that many layers."""
     from transformers import AutoTokenizer
 
+    if corpus.source == "text":  # what the file is, before the model's files or its content are read
+        check_text_file(Path(corpus.path).expanduser())
     source, config = read_model_config(entry)
     n_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     d_model = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from updatelens.corpus import clean_wikitext, make_sample, read_embedded_wiki, read_text_file
+from updatelens.corpus import check_text_file, clean_wikitext, make_sample, read_embedded_wiki, read_text_file
 from updatelens.errors import CorpusError
 from updatelens.registry import CorpusEntry
 
@@ -48,6 +49,26 @@ def test_bad_text_files_are_rejected(tmp_path: Path) -> None:
         read_text_file(empty)
     with pytest.raises(CorpusError, match="binary"):
         read_text_file(binary)
+
+
+def test_what_a_corpus_file_is_is_checked_before_its_content_is_read(tmp_path: Path) -> None:
+    """A FIFO (which would hang), a device (which never ends), a folder and a file above the limit
+    (a sparse file of 2 GiB takes no disk) are refused in one line, before a byte of content is read."""
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    sparse = tmp_path / "huge.txt"
+    with sparse.open("wb") as f:
+        f.truncate(2 << 30)
+    cases = {fifo: "is a FIFO", Path("/dev/zero"): "is a device", tmp_path: "is a folder",
+             sparse: "2.0 GiB, above the 1 GiB", tmp_path / "missing.txt": "does not exist"}
+    for path, message in cases.items():
+        with pytest.raises(CorpusError, match=message):
+            read_text_file(path)
+    small = tmp_path / "small.txt"
+    small.write_text("word " * 300)
+    with pytest.raises(CorpusError, match="above the"):
+        check_text_file(small, max_bytes=1000)
+    assert check_text_file(small) == 1500
 
 
 def test_windows_per_document_spread_the_sample_over_documents(monkeypatch: pytest.MonkeyPatch) -> None:
