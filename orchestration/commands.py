@@ -236,7 +236,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     import dagster as dg
 
     from updatelens.orchestration.runner import project_dagster_home
+    from updatelens.storage.location import existing_root
 
+    existing_root(args.data_root, "report")  # before a Dagster home is made there
     lens = _lens_from(args)
     os.environ["DAGSTER_HOME"] = str(project_dagster_home(lens.data_root))
     stored = lens.store.query("SELECT DISTINCT model FROM layer_summary ORDER BY model") \
@@ -369,9 +371,9 @@ def cmd_sql(args: argparse.Namespace) -> int:
     import duckdb
 
     from updatelens.storage import catalog
-    from updatelens.storage.location import default_data_root
+    from updatelens.storage.location import existing_root
 
-    root = args.data_root or default_data_root()
+    root = existing_root(args.data_root, "sql")
     try:
         columns, rows = catalog.fetch(root, args.query, write=args.write)
     except (duckdb.Error, catalog.ReadOnlyError) as exc:
@@ -388,10 +390,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from updatelens.stages import TABLES
     from updatelens.storage import catalog
     from updatelens.storage.integrity import incomplete_layers, quarantine
-    from updatelens.storage.location import default_data_root
+    from updatelens.storage.location import existing_root
     from updatelens.storage.store import Store
 
-    root = args.data_root or default_data_root()
+    root = existing_root(args.data_root, "verify")
     damaged = catalog.verify_root(root, full=True).damaged  # every checksum recomputed
     for d in damaged:
         print(f"damaged: {d.path}: {d.reason}")
@@ -468,9 +470,9 @@ def cmd_notebook(args: argparse.Namespace) -> int:
     import shutil
 
     from updatelens.reports import notebook
-    from updatelens.storage.location import default_data_root, is_url
+    from updatelens.storage.location import existing_root, is_url
 
-    root = str(args.data_root or default_data_root())
+    root = existing_root(args.data_root, "notebook")
     env = dict(os.environ, UPDATELENS_DATA=root)
     # the app: every cell runs when the page opens, the code stays hidden, and marimo writes nothing
     # (its editor keeps session files beside the notebook: the editable copy lives in the data root)

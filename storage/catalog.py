@@ -821,7 +821,8 @@ def refresh(root: str | Path, db_path: Path | None = None, wait: bool = True) ->
             definitions = _view_digest(con)
         db_path.with_name(db_path.name + ".wal").unlink(missing_ok=True)  # an old log would replay onto it
         os.replace(building, db_path)
-        record = {"code_version": CODE_VERSION, "fingerprint": fingerprint, "views": definitions, "readable": readable}
+        record = {"code_version": CODE_VERSION, "root": root_identity(root), "fingerprint": fingerprint,
+                  "views": definitions, "readable": readable}
         tmp = verified.with_name(verified.name + ".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, verified)
@@ -855,6 +856,16 @@ def root_fingerprint(root: str | Path) -> str:
     return hashlib.sha256("\n".join(sorted(entries)).encode()).hexdigest()
 
 
+def root_identity(root: str | Path) -> str:
+    """Which folder a local root is: its real path and its inode. A copy (`cp -a` keeps every file's
+    size and time, so the fingerprint alone would match) or a moved root is another folder: its
+    catalog, whose views name the files it was built over, is verified again and rebuilt over its
+    own files before it serves a query."""
+    top = Path(as_root(root))
+    st = os.stat(top)
+    return f"{os.path.realpath(top)}\t{st.st_dev}\t{st.st_ino}"
+
+
 def _view_digest(con: duckdb.DuckDBPyConnection) -> str:
     """SHA-256 of every view's definition and of every table's name and rows (the derived tables: a
     row changed by a plain DuckDB client after the refresh changes it)."""
@@ -866,8 +877,8 @@ def _view_digest(con: duckdb.DuckDBPyConnection) -> str:
 
 def _verified_catalog(root: str | Path) -> tuple[duckdb.DuckDBPyConnection, list[str]] | None:
     """A read-only connection to the catalog file and the files its views read, when nothing under the
-    root changed since `refresh` verified it (same fingerprint, same code version, the views as
-    written); None otherwise (the caller verifies)."""
+    root changed since `refresh` verified it (the same folder, fingerprint and code version, the
+    views as written); None otherwise (the caller verifies)."""
     db_path = catalog_path(root)
     if db_path is None or not db_path.exists():
         return None
@@ -875,7 +886,8 @@ def _verified_catalog(root: str | Path) -> tuple[duckdb.DuckDBPyConnection, list
         record = json.loads(_verified_path(db_path).read_text())
     except (OSError, ValueError):
         return None
-    if record.get("code_version") != CODE_VERSION or record.get("fingerprint") != root_fingerprint(root):
+    if (record.get("code_version") != CODE_VERSION or record.get("root") != root_identity(root)
+            or record.get("fingerprint") != root_fingerprint(root)):
         return None
     try:
         con = duckdb.connect(str(db_path), read_only=True)

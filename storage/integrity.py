@@ -53,14 +53,15 @@ def _metadata(path: UPath) -> pq.FileMetaData:
 
 def _footer(path: str | Path, rows: int | None = None) -> tuple[pq.FileMetaData | None, str | None]:
     """A stored Parquet file's footer, and why the file cannot be read (None: the footer reads and the
-    file has rows, `rows` of them when given)."""
+    file has rows, `rows` of them when given; none where its manifest says so: a stage that had
+    nothing to store for the layer, e.g. the controls stage with no positive control)."""
     try:
         meta = _metadata(as_root(path))
     except FileNotFoundError:
         return None, "missing"
     except (OSError, ValueError) as exc:  # pyarrow: "Parquet magic bytes not found", "file size is 0"
         return None, f"unreadable Parquet ({exc})"
-    if meta.num_rows == 0:
+    if meta.num_rows == 0 and rows != 0:
         return meta, "no rows"
     if rows is not None and meta.num_rows != rows:
         return meta, f"{meta.num_rows} rows, its manifest says {rows}"
@@ -110,6 +111,8 @@ def identity_error(path: str | Path, entry: dict, meta: pq.FileMetaData) -> str 
         return (f"its manifest says it holds {claimed['table']} model={claimed['model']} layer={claimed['layer']}, "
                 f"its folder is {expected['table']} model={expected['model']} layer={expected['layer']} "
                 f"(moved or copied from another partition)")
+    if meta.num_rows == 0:
+        return None  # an empty partition (its manifest says so): no rows to belong elsewhere
     for column, want in (("model", expected["model"]), ("layer", expected["layer"]),
                          ("config_id", entry.get("config_id"))):
         values = _column_values(meta, column)

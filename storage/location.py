@@ -36,6 +36,17 @@ def is_url(root: str | os.PathLike[str]) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
+def existing_root(root: str | os.PathLike[str] | None, command: str) -> str:
+    """The data root a reading command (sql, verify, report, notebook) opens: the given one or the
+    default, refused in one line when it is a local path that does not exist (a mistyped
+    --data-root); nothing is created there. Only `run` and the commands that compute create a root."""
+    chosen = str(root or default_data_root())
+    if not is_url(chosen) and not Path(chosen).expanduser().is_dir():
+        raise ConfigError(f"no data root at {chosen}: {command} only reads results (check --data-root or "
+                          f"$UPDATELENS_DATA; `updatelens run` creates a root)")
+    return chosen
+
+
 def storage_options(protocol: str) -> dict[str, object]:
     options = dict(_DEFAULT_OPTIONS.get(protocol, {}))
     if protocol in ("s3", "s3a") and os.environ.get("AWS_ENDPOINT_URL"):

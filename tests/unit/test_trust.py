@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from updatelens.storage import catalog
@@ -330,3 +331,51 @@ def duckdb_file(root: Path):
     import duckdb
 
     return duckdb.connect(str(root / catalog.CATALOG_FILE))
+
+
+@pytest.mark.parametrize("command", [["sql", "SELECT 1"], ["verify"], ["verify", "--repair"], ["report"]])
+def test_a_mistyped_data_root_is_refused_by_the_reading_commands_and_nothing_is_created(
+        tmp_path: Path, command: list[str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from updatelens.orchestration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    missing = tmp_path / "dta"
+    code = main([command[0], "--data-root", str(missing), *command[1:]])
+    err = capsys.readouterr().err
+    assert code == 2 and f"no data root at {missing}: {command[0]} only reads results" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []  # no folder, catalog, lock or Dagster home
+
+
+def test_a_copied_root_serves_its_own_files_and_survives_the_original_moving(tmp_path: Path) -> None:
+    """`cp -a` keeps every file's size and time, so the copy's catalog fingerprint matches; its views
+    still name the original's files. The copy is another folder: it verifies again, then serves its own
+    rows, also once the original is changed and then moved away."""
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    two_layers(original)
+    assert catalog.query(original, "SELECT sum(v) AS s FROM activations")["s"][0] == 4 * 3 + 4 * 4
+    shutil.copytree(original, copy, symlinks=True)  # copy2: sizes and modification times kept
+    write_partition(original, "activations", "m", 5, rows(5))  # the original moves on
+    assert catalog.query(copy, "SELECT sum(v) AS s FROM activations")["s"][0] == 28  # not 48
+    record = json.loads((copy / "updatelens.duckdb.verified.json").read_text())
+    assert record["root"].startswith(f"{os.path.realpath(copy)}\t")
+    assert all(str(copy) in path for path in record["readable"])
+    original.rename(tmp_path / "moved")
+    assert catalog.query(copy, "SELECT count(DISTINCT layer) AS n FROM activations")["n"][0] == 2
+
+
+def test_an_empty_partition_verifies_only_where_its_manifest_says_it_is_empty(tmp_path: Path) -> None:
+    """The controls stage without a positive control stores an empty partition on purpose: it
+    verifies. A file emptied after its manifest was written (rows stated) does not."""
+    write_partition(tmp_path, "activations", "m", 3, rows(3, n=0))
+    assert partition_error(partition_file(tmp_path, "activations", "m", 3)) is None
+    write_partition(tmp_path, "activations", "m", 4, rows(4))
+    target = Path(partition_file(tmp_path, "activations", "m", 4))
+    entry = json.loads((target.parent / MANIFEST).read_text())
+    pq.write_table(rows(4, n=0), target)
+    stat = target.stat()
+    entry.update(bytes=stat.st_size, mtime_ns=stat.st_mtime_ns, sha256=sha256_of(target))  # rows: still 4
+    (target.parent / MANIFEST).write_text(json.dumps(entry))
+    assert partition_error(target, full=True) == "no rows"
