@@ -105,6 +105,8 @@ def _metadata(verdict: Verdict, partitions: int, settings: CheckSettings) -> dic
         "expectations_passed": len(verdict.evaluated) - n_failed,
         "thresholds": dg.MetadataValue.json(settings.model_dump()),
     }
+    if verdict.not_checked:
+        metadata["not_checked"] = dg.MetadataValue.md("\n".join(f"- {n}" for n in verdict.not_checked[:50]))
     if n_failed:
         metadata["failures"] = dg.MetadataValue.md("\n".join(f"- {f}" for f in verdict.failures[:50]))
         metadata["worst_offenders"] = dg.MetadataValue.json(verdict.offenders[:20])
@@ -135,8 +137,7 @@ class Outcome:
         last evaluation for its status, so a failure anywhere is what it shows."""
         return [dg.AssetCheckEvaluation(asset_key=dg.AssetKey(self.asset), check_name=self.name, passed=v.passed,
                                         metadata=_metadata(v, 1, self.settings), severity=self.severity,
-                                        description="; ".join(v.failures[:3]) if v.failures else None,
-                                        blocking=self.blocking, partition=key)
+                                        description=_description(v), blocking=self.blocking, partition=key)
                 for key, v in sorted(self.verdicts.items(), key=lambda kv: (not kv[1].passed, kv[0]))]
 
     def result(self) -> dg.AssetCheckResult:
@@ -146,7 +147,16 @@ class Outcome:
             total.merge(v, prefix=f"{partition}: " if len(self.verdicts) > 1 else "")
         return dg.AssetCheckResult(asset_key=self.asset, check_name=self.name, passed=total.passed,
                                    severity=self.severity, metadata=_metadata(total, len(self.verdicts), self.settings),
-                                   description="; ".join(total.failures[:3]) if total.failures else None)
+                                   description=_description(total))
+
+
+def _description(verdict: Verdict) -> str | None:
+    """The first failures; else, where something could not be checked, what and why."""
+    if verdict.failures:
+        return "; ".join(verdict.failures[:3])
+    if verdict.not_checked:
+        return "passed; not checked: " + "; ".join(verdict.not_checked[:3])
+    return None
 
 
 def _finite_rows(matrix: np.ndarray) -> np.ndarray:
@@ -263,26 +273,31 @@ def check_against_hidden_states(lm: LoadedModel, input_ids: np.ndarray, tables: 
         for column, state in (("x", layer), ("y", layer + 1)):
             index = state - lm.hidden_states_offset  # position of h_state in the tuple
             if not 0 <= index < len(hidden) - 1:  # absent, or the last entry (final norm applied)
+                verdict.cannot_check(f"{column} = h_{state}: output_hidden_states has no entry before the "
+                                     f"final norm for it")
                 continue
             typ = sub.schema.field(column).type
-            if pa.types.is_fixed_size_list(typ) and typ.list_size == lm.d_model:
-                stored = to_matrix(sub[column], np.float64)
-                ref = hidden[index].double().cpu().numpy().reshape(-1, lm.d_model)
-                if stored.shape != ref.shape:
-                    verdict.expect(f"hidden_states[{index}] shape", False,
-                                   f"stored {column} has {stored.shape[0]} rows for the first {n} sequences, "
-                                   f"the model gives {ref.shape[0]}")
-                    continue
-                # per row, relative to that row's own scale: a batch-wide scale is set by position 0's
-                # outsized states and would hide an error elsewhere; position 0 itself is not compared
-                scale = np.abs(ref).max(axis=1) + 1e-12
-                err = np.abs(stored - ref).max(axis=1) / scale
-                err[sub["pos"].to_numpy() == 0] = 0.0
-                bad = np.flatnonzero(~(err <= settings.hidden_state_tol))
-                verdict.expect(f"{column} == hidden_states[{index}] (tol {settings.hidden_state_tol:g})",
-                               len(bad) == 0,
-                               f"{column} differs from output_hidden_states[{index}] on {len(bad)} rows "
-                               f"(max relative error {np.nanmax(err):.2e})", _ids(sub, bad, {"rel_err": err}))
+            if not (pa.types.is_fixed_size_list(typ) and typ.list_size == lm.d_model):
+                verdict.expect(f"{column} width", False, f"stored {column} is {typ}, not vectors of d_model = "
+                                                         f"{lm.d_model}: it cannot be compared")
+                continue
+            stored = to_matrix(sub[column], np.float64)
+            ref = hidden[index].double().cpu().numpy().reshape(-1, lm.d_model)
+            if stored.shape != ref.shape:
+                verdict.expect(f"hidden_states[{index}] shape", False,
+                               f"stored {column} has {stored.shape[0]} rows for the first {n} sequences, "
+                               f"the model gives {ref.shape[0]}")
+                continue
+            # per row, relative to that row's own scale: a batch-wide scale is set by position 0's
+            # outsized states and would hide an error elsewhere; position 0 itself is not compared
+            scale = np.abs(ref).max(axis=1) + 1e-12
+            err = np.abs(stored - ref).max(axis=1) / scale
+            err[sub["pos"].to_numpy() == 0] = 0.0
+            bad = np.flatnonzero(~(err <= settings.hidden_state_tol))
+            verdict.expect(f"{column} == hidden_states[{index}] (tol {settings.hidden_state_tol:g})",
+                           len(bad) == 0,
+                           f"{column} differs from output_hidden_states[{index}] on {len(bad)} rows "
+                           f"(max relative error {np.nanmax(err):.2e})", _ids(sub, bad, {"rel_err": err}))
         out[layer] = verdict
     return out
 
@@ -436,7 +451,9 @@ def check_rel_err_drift(residuals: pa.Table, previous: dict[str, list[float]] | 
     under the same configuration (GX quantile expectations, bounds +-rel_err_drift_tol relative)."""
     verdict = Verdict()
     if not previous:
-        return verdict  # first materialization (or another configuration): nothing to compare with
+        verdict.cannot_check("no previous materialization of this partition under this configuration to "
+                             "compare the relative errors with")
+        return verdict
     tol = settings.rel_err_drift_tol
     for fn_class, before in previous.items():
         part = residuals.filter(pc.equal(residuals["fn_class"], fn_class)).select(["seq", "pos", "rel_err"])

@@ -36,6 +36,11 @@ class Verdict:
     evaluated: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # one message per failed expectation
     offenders: list[dict[str, Any]] = field(default_factory=list)  # worst rows, for the UI
+    not_checked: list[str] = field(default_factory=list)  # what could not be checked, and why
+
+    def cannot_check(self, reason: str) -> None:
+        """Record an expectation that had nothing to test (it passes, and says so: never silently)."""
+        self.not_checked.append(reason)
 
     @property
     def passed(self) -> bool:
@@ -51,6 +56,7 @@ class Verdict:
     def merge(self, other: Verdict, prefix: str = "") -> None:
         self.evaluated.extend(other.evaluated)
         self.failures.extend(f"{prefix}{f}" for f in other.failures)
+        self.not_checked.extend(f"{prefix}{n}" for n in other.not_checked)
         self.offenders.extend({**({"partition": prefix.strip(": ")} if prefix else {}), **o} for o in other.offenders)
 
 

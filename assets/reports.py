@@ -20,6 +20,7 @@ from updatelens.assets.geometry import geometry
 from updatelens.assets.partitions import MODELS
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.assets.routing import MODEL_POOL, step_tags
+from updatelens.findings import FINDINGS
 from updatelens.reports.build import (
     COMPARISON_FIGURES,
     MODEL_FIGURES,
@@ -64,13 +65,19 @@ def _report_metadata(report: Report, captions: dict[str, str]) -> dict[str, Any]
 
 
 def _check_report(report: Report, captions: dict[str, str]) -> dg.AssetCheckResult:
+    """The written page: every figure's PNG exists and is inlined in index.html, and the findings
+    table has a row for every declared finding (updatelens.findings)."""
     page = report.index.read_text(encoding="utf-8")
     missing = [name for name in captions if not report.figures[name].exists() or f"alt='{name}'" not in page]
-    findings = report.findings["finding"].unique().to_list()
-    ok = not missing and len(findings) > 0
-    return dg.AssetCheckResult(check_name="report_complete", passed=ok, metadata={
-        "figures": len(captions) - len(missing), "missing_figures": ", ".join(missing) or "none",
-        "findings": len(findings)})
+    present = set(report.findings["finding"].to_list()) if "finding" in report.findings.columns else set()
+    absent = [f.id for f in FINDINGS if f.id not in present or f"<td>{f.id}</td>" not in page]
+    problems = ([f"figures missing from the page: {', '.join(missing)}"] if missing else []) + \
+        ([f"findings without a row: {', '.join(absent)}"] if absent else [])
+    return dg.AssetCheckResult(check_name="report_complete", passed=not problems,
+                               description="; ".join(problems) or None, metadata={
+                                   "figures": len(captions) - len(missing), "missing_figures": ", ".join(missing) or "none",
+                                   "findings": len(FINDINGS) - len(absent),
+                                   "missing_findings": ", ".join(absent) or "none"})
 
 
 @dg.asset(
@@ -89,7 +96,7 @@ def _check_report(report: Report, captions: dict[str, str]) -> dg.AssetCheckResu
 )
 def report(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> dg.MaterializeResult:
     model = context.partition_key
-    built = build_model_report(lens.root, model)
+    built = build_model_report(lens.root, model, lens.config().config_id)  # the deployment's configuration first
     context.log.info(f"report for {model}: {built.index}")
     metadata = _report_metadata(built, MODEL_FIGURES)
     metadata["config_id"] = built.config_id

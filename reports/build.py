@@ -93,6 +93,9 @@ LEFT_OUT: dict[str, str] = {
     "functional_metrics": "the layer is left out of the error-against-KL figure",
     "functional_summary": "the layer has no KL or Spearman figures: finding 4 and the control curves leave it out",
     "functional_bootstrap": "the layer is left out of finding 4's interval",
+    "control_geometry": "the layer's positive controls are left out of the findings' control columns",
+    "control_spectra": "the layer's positive controls are left out of finding 3's control column",
+    "control_geometry_bootstrap": "the layer is left out of the controls' intervals",
 }
 
 def reports_root(root: str | Path) -> UPath:
@@ -174,18 +177,23 @@ def _figure_section(name: str, caption: str, path: Path) -> str:
 
 
 # ---- model report -------------------------------------------------------------------------------
-def _main_config(con: duckdb.DuckDBPyConnection, model: str) -> tuple[str, list[str]]:
-    """The config covering most layers of the model (partitions can hold another after a partial rerun)."""
+def _main_config(con: duckdb.DuckDBPyConnection, model: str, preferred: str | None = None) -> tuple[str, list[str]]:
+    """The configuration the report shows: `preferred` (the deployment's, i.e. the one just run) where
+    it has stored layers, else the one covering most layers (partitions can hold another after a
+    partial rerun); a note names the others."""
     counts = _frame(con, "SELECT config_id, count(DISTINCT layer) AS n FROM layer_summary WHERE model = ? "
                          "GROUP BY config_id ORDER BY n DESC, config_id", [model])
     if counts.is_empty():
         raise ReportError(f"no results for model {model!r} are stored; materialize it first "
                           f"(`updatelens run --model {model}`)")
+    if preferred is not None and preferred in counts["config_id"].to_list():
+        counts = pl.concat([counts.filter(pl.col("config_id") == preferred),
+                            counts.filter(pl.col("config_id") != preferred)])
     notes = []
     if len(counts) > 1:
         others = ", ".join(f"{r['config_id']} ({r['n']} layers)" for r in counts.slice(1).to_dicts())
         notes.append(f"Some layers hold results of other configurations ({others}); this report shows "
-                     f"config {counts['config_id'][0]} only.")
+                     f"config {counts['config_id'][0]} ({counts['n'][0]} layers) only.")
     return str(counts["config_id"][0]), notes
 
 
@@ -208,8 +216,9 @@ def sensitivity_pivot(sensitivity: pl.DataFrame) -> pl.DataFrame:
     return pivot.select(["finding", *baseline, *[c for c in order if c not in baseline]])
 
 
-def build_model_report(root: Path, model: str) -> Report:
-    """Regenerate `<root>/reports/<model>/` from the stored tables; raises ReportError if absent."""
+def build_model_report(root: Path, model: str, config_id: str | None = None) -> Report:
+    """Regenerate `<root>/reports/<model>/` from the stored tables, showing configuration `config_id`
+    where it is stored (else the one covering most layers); raises ReportError if none is."""
     root = as_root(root)
     with catalog.connect(root) as con:
         views = _views(con)
@@ -217,7 +226,7 @@ def build_model_report(root: Path, model: str) -> Report:
         if missing:
             raise ReportError(f"cannot build a report for {model!r}: the catalog at {root} lacks {sorted(missing)}; "
                               f"materialize all five stages first (`updatelens run --model {model}`)")
-        config_id, notes = _main_config(con, model)
+        config_id, notes = _main_config(con, model, config_id)
         where, params = "model = ? AND config_id = ?", [model, config_id]
         summary = _frame(con, f"SELECT * FROM layer_summary WHERE {where} ORDER BY layer, fn_class", params)
         layers = sorted(summary["layer"].unique().to_list())
@@ -243,7 +252,8 @@ def build_model_report(root: Path, model: str) -> Report:
                            f"WHERE {where} LIMIT 1", params).to_dicts()[0]
         damaged = _frame(con, "SELECT table_name, layer, reason FROM damaged_partitions WHERE model = ? "
                               "ORDER BY layer, table_name", [model])
-    n_layers = layers[-1] + 1
+    depth = summary["model_layers"].drop_nulls().to_list()
+    n_layers = max(depth) if depth else layers[-1] + 1  # the model's depth, not the highest layer analysed
     if len(layers) < n_layers:
         notes.append(f"Only layers {', '.join(map(str, layers))} are stored; curves skip the others.")
     # a layer with a table missing or damaged is not presented as complete: say which, what it leaves
@@ -254,7 +264,8 @@ def build_model_report(root: Path, model: str) -> Report:
             problems.setdefault((layer, table), "missing")
     for (layer, table), reason in sorted(problems.items()):
         what = "missing" if reason.startswith("missing") else f"damaged ({reason})"
-        notes.append(f"Layer {layer}: its {table} partition is {what}; {LEFT_OUT[table]}. `updatelens verify --repair`, "
+        left_out = LEFT_OUT.get(table, "it is left out")
+        notes.append(f"Layer {layer}: its {table} partition is {what}; {left_out}. `updatelens verify --repair`, "
                      f"then `updatelens run`, recompute it.")
     title = f"UpdateLens report: {model}"
     drawings = {

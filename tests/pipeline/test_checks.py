@@ -185,13 +185,43 @@ def test_a_solver_that_changes_its_answers_fails_the_drift_check(
     so only the comparison with the previous materialization's relative errors shows it. Rerun
     unchanged, it passes."""
     first, _ = run(zoo, tmp_path)
-    assert first.success and evaluations(first)["rel_err_drift"].metadata["expectations_evaluated"].value == 0
+    nothing = evaluations(first)["rel_err_drift"]  # passes, and says it had nothing to compare with
+    assert first.success and nothing.metadata["expectations_evaluated"].value == 0
+    assert nothing.description == ("passed; not checked: no previous materialization of this partition under "
+                                   "this configuration to compare the relative errors with")
     again, _ = run(zoo, tmp_path)
     drift = evaluations(again)["rel_err_drift"]
     assert drift.passed and drift.metadata["expectations_evaluated"].value == 2  # diagonal and lowrank compared
     checks = run_with_diagonal_solver(zoo, tmp_path, monkeypatch, lambda tx, anchors: anchors - (tx - anchors))
     assert not checks["rel_err_drift"].passed
     assert "diagonal: relative error quantiles (10/50/90 %) moved from" in checks["rel_err_drift"].description
+
+
+def test_degenerate_fits_fail_the_fits_check_and_block_the_residuals(
+        zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fourth stored fit flagged degenerate (what ill-conditioned neighbourhoods give): above the
+    5 % bound, fits_valid fails and names the share; the stages that read the fits do not run."""
+    original = assets.local_fits.fit_row_parts
+
+    def flagged(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        for part in original(*args, **kwargs):
+            column = part.schema.get_field_index("degenerate")
+            yield part.set_column(column, part.schema.field(column), pa.array(np.arange(len(part)) % 4 == 0))
+
+    monkeypatch.setattr(assets.local_fits, "fit_row_parts", flagged)
+    result, instance = run(zoo, tmp_path)
+    assert_blocked(result, instance, "fits_valid", "of fits are degenerate (bound 5%)", "residuals", tmp_path)
+
+
+def test_fits_far_worse_than_the_update_fail_the_relative_error_bound(
+        zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A solver whose T(x) points away from the update (-10 x): fits, residuals and the audit agree,
+    but the best class's median relative error is beyond the bound, which rel_err_within_bounds names."""
+    monkeypatch.setitem(SETTINGS, "classes", ["diagonal"])
+    checks = run_with_diagonal_solver(zoo, tmp_path, monkeypatch, lambda tx, anchors: -10.0 * anchors)
+    bound = checks["rel_err_within_bounds"]
+    assert not bound.passed and "best class 'diagonal' has median relative error" in bound.description
+    assert f"(bound {LOOSE.max_best_rel_err_median})" in bound.description
 
 
 def test_one_blown_up_fit_fails_its_check(zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,6 +292,24 @@ def test_a_control_lost_or_out_of_range_fails_the_controls_check(zoo: Path, tmp_
     assert not evaluation.passed
     assert "controls stored ['linear'], expected ['linear', 'self_only']" in evaluation.description
     assert "linear: " in evaluation.description and "out_of_range" in evaluation.description, evaluation.description
+
+
+def test_without_positive_controls_the_empty_control_partitions_verify_and_the_report_builds(
+        zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """positive_controls=[]: the controls stage stores empty partitions on purpose; they verify (their
+    manifest says 0 rows), the layer is complete, and the report builds without control columns."""
+    from updatelens.reports.build import build_model_report
+    from updatelens.stages import TABLES
+    from updatelens.storage.integrity import incomplete_layers, partition_error
+
+    monkeypatch.setitem(SETTINGS, "positive_controls", [])
+    result, _ = run(zoo, tmp_path)
+    assert result.success and evaluations(result)["controls_valid"].passed
+    for table in ("control_geometry", "control_spectra", "control_geometry_bootstrap"):
+        assert partition_error(partition_file(tmp_path, table, MODEL, 1), full=True) is None, table
+    assert incomplete_layers(tmp_path, TABLES) == []
+    report = build_model_report(tmp_path, MODEL)
+    assert not any("control_geometry" in note for note in report.notes), report.notes
 
 
 def test_unnormalised_distributions_fail_the_functional_check_before_the_clamp(

@@ -106,6 +106,22 @@ def test_every_partition_has_a_manifest_and_a_flipped_bit_is_caught(
     assert catalog.query(lens.root, "SELECT count(DISTINCT layer) AS n FROM geometry")["n"][0] == 1
 
 
+def test_the_reports_provenance_gives_the_models_depth_and_the_configuration_just_run(
+        stored: tuple[UpdateLensResource, dg.DagsterInstance]) -> None:
+    """Layers 0 and 1 of a 3-layer model: "2 of 3", not "2 of 2". Layer 1 rerun with k = 6: the report of
+    that deployment shows k = 6 (its configuration has fewer layers than the first one) and names the other."""
+    lens, instance = stored
+    first = build_model_report(lens.root, MODEL)
+    assert "<td>2 of 3</td>" in first.index.read_text(), "the provenance row counts the model's layers"
+    other = UpdateLensResource(data_root=lens.data_root, registry=lens.registry,
+                               analysis=AnalysisSettings(**{**SETTINGS, "k": 6}))
+    assert materialize_model(MODEL, other, instance, layers=[1], log_level="WARNING").success
+    rerun = build_model_report(lens.root, MODEL, other.config().config_id)
+    assert rerun.config_id == other.config().config_id != first.config_id
+    assert any(f"{first.config_id} (1 layers)" in n and "(1 layers) only" in n for n in rerun.notes), rerun.notes
+    assert build_model_report(lens.root, MODEL, "no-such-config").config_id in (first.config_id, rerun.config_id)
+
+
 def test_the_study_record_reads_every_runs_step_times_from_its_dagster_home(zoo: Path, tmp_path: Path) -> None:
     """`python -m bench --only study` records each Dagster run's step times from the run's own home."""
     import json

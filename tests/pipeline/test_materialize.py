@@ -262,8 +262,9 @@ def test_updatelens_sql_is_read_only_unless_asked(run, tmp_path: Path, capsys: p
 def test_reports_build_from_stored_results_with_every_figure(run) -> None:
     from PIL import Image
 
+    from updatelens.assets.reports import _check_report
     from updatelens.orchestration.runner import materialize_reports
-    from updatelens.reports.build import COMPARISON, COMPARISON_FIGURES, MODEL_FIGURES, reports_root
+    from updatelens.reports.build import COMPARISON, COMPARISON_FIGURES, MODEL_FIGURES, build_model_report, reports_root
 
     lens, instance = run
     results = materialize_reports(MODELS, lens, instance)
@@ -283,6 +284,13 @@ def test_reports_build_from_stored_results_with_every_figure(run) -> None:
         assert {f"figure_{name}" for name in MODEL_FIGURES} <= set(materialization.metadata)
         assert materialization.metadata["report"].value == str(folder / "index.html")
         assert all(e.passed for e in result.get_asset_check_evaluations())
+    # the check fails on a page that lost a figure and a finding's row, and names both
+    built = build_model_report(lens.root, MODELS[0])
+    built.index.write_text(built.index.read_text(encoding="utf-8").replace("alt='controls'", "alt=''")
+                           .replace("<td>3</td>", "<td></td>"), encoding="utf-8")
+    damaged = _check_report(built, MODEL_FIGURES)
+    assert not damaged.passed and damaged.description == ("figures missing from the page: controls; "
+                                                          "findings without a row: 3")
     page = (reports_root(lens.root) / COMPARISON / "index.html").read_text(encoding="utf-8")
     assert all(m in page for m in MODELS)
     assert all(f"<img alt='{name}'" in page for name in COMPARISON_FIGURES)
