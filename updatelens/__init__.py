@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 __version__ = "0.1.0"
@@ -25,19 +26,57 @@ def _mapped_dir(name: str) -> Path:
 
 
 def _source_hash() -> str:
-    """The engine's sources and those of assets/ and storage/, by path relative to the package: the
-    same in a checkout (editable install) and in an installed wheel of the same commit."""
+    """The engine's code and that of assets/ and storage/ (`_code_of`: comments and docstrings left
+    out), by path relative to the package: the same in a checkout (editable install) and in an
+    installed wheel of the same commit."""
     root = Path(__file__).parent
     files = [(p.relative_to(root).as_posix(), p) for p in root.rglob("*.py")
              if p.relative_to(root).parts[0] not in _MAPPED]
     for name in _RECORDED:
         folder = _mapped_dir(name)
         files += [(f"{name}/{p.relative_to(folder).as_posix()}", p) for p in folder.rglob("*.py")]
-    h = hashlib.sha1()
+    raw = hashlib.sha1()
+    sources = []
     for relative, path in sorted(files):
+        source = path.read_bytes()
+        raw.update(relative.encode() + b"\0" + source + b"\0")
+        sources.append((relative, source))
+    # parsing every module costs about 0.2 s: the answer is kept per exact set of sources, so the
+    # light paths (sql, verify) pay it once per code change
+    memo = Path(os.environ.get("UPDATELENS_CACHE", Path.home() / ".cache" / "updatelens")) / "code_version"
+    key = raw.hexdigest()
+    try:
+        return (memo / key).read_text().strip()
+    except OSError:
+        pass
+    h = hashlib.sha1()
+    for relative, source in sources:
         h.update(relative.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:8]
+        h.update(_code_of(source))
+    version = h.hexdigest()[:8]
+    try:
+        memo.mkdir(parents=True, exist_ok=True)
+        partial = memo / f"{key}.{os.getpid()}.tmp"
+        partial.write_text(version)
+        os.replace(partial, memo / key)
+    except OSError:  # a read-only home: computed again next time
+        pass
+    return version
+
+
+def _code_of(source: bytes) -> bytes:
+    """What a module computes, without its comments, docstrings or layout: its syntax tree with the
+    docstrings dropped (a fixed typo in a comment or a docstring leaves every result current)."""
+    import ast
+
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree, include_attributes=False).encode()
 
 
 # Recorded with every result row: the release plus a hash of the sources that compute and store the

@@ -132,3 +132,14 @@ def test_the_code_version_follows_the_engine_assets_and_storage_not_the_rest(tmp
     after_assets = updatelens._source_hash()
     (tmp_path / "storage" / "mod.py").write_text("X = 2\n")
     assert len({before, after_assets, updatelens._source_hash()}) == 3
+
+
+def test_the_code_version_ignores_comments_and_docstrings_but_not_code() -> None:
+    """A typo fixed in a comment or a docstring leaves every stored partition current; a changed
+    constant or statement does not."""
+    from updatelens import _code_of
+
+    base = b'"""Module."""\n\ndef f(x):\n    """Doc."""\n    return x + 1  # add one\n'
+    assert _code_of(base) == _code_of(b'"""Modul, fixed."""\n\n\ndef f(x):\n    """Dco."""\n    return x + 1\n')
+    assert _code_of(base) != _code_of(base.replace(b"x + 1", b"x + 2"))
+    assert _code_of(base) != _code_of(base.replace(b"return x + 1", b"y = x\n    return x + 1"))
