@@ -161,6 +161,8 @@ def html_table(frame: pl.DataFrame, verdict_columns: tuple[str, ...] = ("holds",
                 cls = ' class="yes"' if value else ' class="no"'
             elif column in verdict_columns and value in VERDICTS:
                 cls = f' class="{value}"'
+            elif column in verdict_columns and isinstance(value, str) and value.rsplit(": ", 1)[-1] in VERDICTS:
+                cls = f' class="{value.rsplit(": ", 1)[-1]}"'  # a comparison cell: "...: verdict"
             cells.append(f"<td{cls}>{html.escape(_cell(value))}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
@@ -369,13 +371,19 @@ def _interval(lo: str, hi: str) -> pl.Expr:
 
 
 def findings_pivot(findings: pl.DataFrame) -> pl.DataFrame:
-    """finding x model: the value with its interval, the null with its interval, and the verdict."""
+    """finding x model: the value with its interval, the null with its interval, the positive control
+    with its interval (where the finding has one), and the verdict."""
     verdict = pl.col("verdict").fill_null(
         pl.when(pl.col("note").is_not_null()).then(pl.lit("not measured")).otherwise(pl.lit("no interval")))
+    control = pl.lit("")
+    if "control_value" in findings.columns:
+        control = pl.when(pl.col("control_value").is_not_null()).then(
+            pl.lit("; ") + pl.col("control") + pl.lit(" ") + pl.col("control_value").round(3).cast(pl.String)
+            + _interval("control_ci_lo", "control_ci_hi")).otherwise(pl.lit(""))
     cells = findings.with_columns(
         cell=pl.col("value").round(3).cast(pl.String).fill_null("—") + _interval("ci_lo", "ci_hi")
         + pl.lit("; null ") + pl.col("null_value").round(3).cast(pl.String).fill_null("—")
-        + _interval("null_ci_lo", "null_ci_hi") + pl.lit(": ") + verdict)
+        + _interval("null_ci_lo", "null_ci_hi") + control + pl.lit(": ") + verdict)
     thresholds = findings.group_by("finding").agg(pl.col("threshold").first(), pl.col("statement").first())
     pivot = cells.pivot(on="model", index="finding", values="cell", aggregate_function="first")
     return thresholds.join(pivot, on="finding").sort("finding")
@@ -421,8 +429,10 @@ def build_comparison(root: Path) -> Report:
         _png(fig.comparison_curves(summary, "per-layer curves on normalised depth", bands), staging / "comparison_curves.png")
         sections = [
             "<h2>Findings by model</h2><p>Each finding per model, on its best class: value [95% interval]; its null "
-            "[interval]: verdict (holds, fails, undecided, or indistinct from its null). SQL: "
-            "<code>SELECT * FROM findings</code>.</p>" + html_table(findings_pivot(findings), ()),
+            "[interval]; its positive control [interval], where the finding has one: verdict (holds, fails, "
+            "undecided, indistinct from its null, opposite to the claim, or estimator-limited), coloured as in "
+            "the model reports. SQL: "
+            "<code>SELECT * FROM findings</code>.</p>" + html_table(findings_pivot(findings), tuple(models)),
             "<h2>Figures</h2>" + "".join(_figure_section(name, caption, staging / f"{name}.png")
                                          for name, caption in COMPARISON_FIGURES.items()),
             "<h2>Models</h2>" + html_table(findings.group_by("model", "config_id", "fn_class").agg().sort("model")),

@@ -40,12 +40,18 @@ def _(mo, models):
 def _(catalog, mo, model, root):
     findings = catalog.query(root, "SELECT finding, fn_class, round(value, 3) AS value, round(ci_lo, 3) AS ci_lo, "
                                    "round(ci_hi, 3) AS ci_hi, threshold, round(null_value, 3) AS null, "
-                                   "round(null_ci_lo, 3) AS null_lo, round(null_ci_hi, 3) AS null_hi, verdict, measure, "
-                                   "null_source FROM findings WHERE model = $1 ORDER BY finding", [model.value])
+                                   "round(null_ci_lo, 3) AS null_lo, round(null_ci_hi, 3) AS null_hi, null_outcome, "
+                                   "control, round(control_value, 3) AS control_value, "
+                                   "round(control_ci_lo, 3) AS control_lo, round(control_ci_hi, 3) AS control_hi, "
+                                   "control_outcome, verdict, measure, null_source "
+                                   "FROM findings WHERE model = $1 ORDER BY finding", [model.value])
     mo.vstack([mo.md("## Do the paper's claims hold?\nEach finding on the best class, with its 95 % "
-                     "bootstrap interval, and its null: what the same measure gives without the claimed structure "
-                     "(`undecided`: the interval straddles the threshold; `indistinct`: it clears the threshold "
-                     "but not the null)."),
+                     "bootstrap interval, its null (what the same measure gives without the claimed structure) and "
+                     "its positive control (the same measure when the truth is tokenwise by construction). "
+                     "`estimator-limited`: a tokenwise target gives the same, so the estimator cannot show the "
+                     "structure at this sample size; `opposite`: beyond the null on the wrong side of the claim; "
+                     "`undecided`: the interval straddles the threshold; `indistinct`: it clears the threshold "
+                     "but not the null."),
                mo.ui.table(findings, selection=None)])
     return (findings,)
 

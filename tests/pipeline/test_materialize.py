@@ -137,7 +137,7 @@ def test_the_served_notebook_opens_with_its_answers(run, tmp_path: Path) -> None
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         with open_page(f"http://127.0.0.1:{port}/", tmp_path / "profile", height=2400) as page:
-            wanted = ("claims hold", "verdict", "2 projection", "Layer curves", "Error against KL")
+            wanted = ("claims hold", "verdict", "control_outcome", "2 projection", "Layer curves", "Error against KL")
             page.wait_for(lambda t: all(w in t for w in wanted), 180)
             # the layer curves and the error-against-KL plot drawn
             page.wait_for(lambda _: page.count("canvas, svg.marks") >= 2, 60)
@@ -264,7 +264,7 @@ def test_reports_build_from_stored_results_with_every_figure(run) -> None:
 
     from updatelens.assets.reports import _check_report
     from updatelens.orchestration.runner import materialize_reports
-    from updatelens.reports.build import COMPARISON, COMPARISON_FIGURES, MODEL_FIGURES, build_model_report, reports_root
+    from updatelens.reports.build import COMPARISON, COMPARISON_FIGURES, MODEL_FIGURES, VERDICTS, build_model_report, reports_root
 
     lens, instance = run
     results = materialize_reports(MODELS, lens, instance)
@@ -293,6 +293,7 @@ def test_reports_build_from_stored_results_with_every_figure(run) -> None:
                                                           "findings without a row: 3")
     page = (reports_root(lens.root) / COMPARISON / "index.html").read_text(encoding="utf-8")
     assert all(m in page for m in MODELS)
+    assert any(f'<td class="{verdict}">' in page for verdict in VERDICTS)  # coloured as in the model reports
     assert all(f"<img alt='{name}'" in page for name in COMPARISON_FIGURES)
     assert not list((lens.root / "_staging").glob("*"))  # written whole, staging cleaned
 
