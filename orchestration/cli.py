@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     sql.add_argument("--data-root")
     sql.add_argument("--write", action="store_true",
                      help="allow statements that write (COPY ... TO, CREATE, ATTACH); default: read-only")
+    sql.add_argument("--timeout", type=float, metavar="SECONDS",
+                     help="stop a query still running after this many seconds (default: no limit)")
     sql.set_defaults(func=cmd_sql)
 
     verify = sub.add_parser("verify", help="check every stored partition file; list damaged files and incomplete "

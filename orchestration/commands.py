@@ -375,10 +375,13 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
     root = existing_root(args.data_root, "sql")
     try:
-        columns, rows = catalog.fetch(root, args.query, write=args.write)
-    except (duckdb.Error, catalog.ReadOnlyError) as exc:
+        columns, rows = catalog.fetch(root, args.query, write=args.write, timeout_s=args.timeout)
+    except (duckdb.Error, catalog.ReadOnlyError, catalog.QueryTimeout) as exc:
         print(f"updatelens sql: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("updatelens sql: interrupted; nothing was written", file=sys.stderr)
+        return 130
     if columns:
         print_rows(columns, rows)
     return 0
@@ -389,7 +392,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     moved to <root>/_quarantine/ (the next `updatelens run` recomputes them); incomplete layers listed."""
     from updatelens.stages import TABLES
     from updatelens.storage import catalog
-    from updatelens.storage.integrity import incomplete_layers, quarantine
+    from updatelens.storage.integrity import incomplete_layers, mixed_layers, quarantine
     from updatelens.storage.location import existing_root
     from updatelens.storage.store import Store
 
@@ -402,6 +405,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     incomplete = incomplete_layers(root, TABLES)
     for model, layer, missing in incomplete:
         print(f"incomplete: model={model} layer={layer}: no {', '.join(missing)}")
+    for model, layer, runs in mixed_layers(root, TABLES):  # a run with other settings stopped midway
+        parts = "; ".join(f"{', '.join(tables)} at config {config} (code {code})" for (config, code), tables in runs.items())
+        print(f"incomplete: model={model} layer={layer}: its tables come from different runs: {parts}")
+        incomplete.append((model, layer, []))
     db_path = catalog.catalog_path(root)
     catalog_damage = catalog.catalog_error(db_path) if db_path is not None else None
     if catalog_damage:

@@ -15,7 +15,7 @@ from pathlib import Path
 from updatelens.assets.partitions import model_keys
 from updatelens.registry import ModelEntry, load_models
 from updatelens.stages import LAST_TABLE, TABLES
-from updatelens.storage.integrity import partition_error
+from updatelens.storage.integrity import layer_runs, partition_error
 from updatelens.storage.layout import PART_FILE, partition_dir, partition_file, read_file
 
 
@@ -46,7 +46,8 @@ def registry_changes(registry: Path, cursor: str | None) -> RegistryChanges:
 def partition_state(root: Path, model: str, layer: int) -> tuple[str, str] | None:
     """(config_id, code_version) of a stored partition of the last stage; None if it or any other
     table of the (model, layer) is absent or does not verify against its manifest (a partition
-    deleted or damaged upstream makes the layer stale: see storage.integrity)."""
+    deleted or damaged upstream makes the layer stale: see storage.integrity), or if the tables
+    were written under different configurations or code versions (a run that stopped midway)."""
     path = partition_file(root, LAST_TABLE, model, layer)
     for table in TABLES:
         folder = partition_dir(root, table, model, layer)
@@ -54,6 +55,8 @@ def partition_state(root: Path, model: str, layer: int) -> tuple[str, str] | Non
         files = [partition_file(root, table, model, layer), *(f for f in folder.glob("*.parquet") if f.name != PART_FILE)]
         if any(partition_error(file) is not None for file in files):
             return None
+    if len(layer_runs(root, model, layer, TABLES)) > 1:  # tables of another run's settings: not one result
+        return None
     table = read_file(path).select(["config_id", "code_version"])
     if len(table) == 0:
         return None

@@ -25,7 +25,7 @@ from updatelens.errors import UpdateLensError
 from updatelens.reports import figures as fig
 from updatelens.stages import TABLES
 from updatelens.storage import catalog
-from updatelens.storage.integrity import incomplete_layers
+from updatelens.storage.integrity import incomplete_layers, mixed_layers
 from updatelens.storage.layout import publish_dir
 from updatelens.storage.location import as_root
 
@@ -264,6 +264,10 @@ def build_model_report(root: Path, model: str, config_id: str | None = None) -> 
     for _, layer, absent in (i for i in incomplete_layers(root, TABLES) if i[0] == model):
         for table in absent:
             problems.setdefault((layer, table), "missing")
+    for _, layer, runs in (m for m in mixed_layers(root, TABLES) if m[0] == model):
+        configs = ", ".join(f"{config} ({len(tables)} tables)" for (config, _code), tables in runs.items())
+        notes.append(f"Layer {layer}: its tables come from different runs ({configs}), as a run with other settings "
+                     f"leaves them when it stops midway; `updatelens run` recomputes the layer.")
     for (layer, table), reason in sorted(problems.items()):
         what = "missing" if reason.startswith("missing") else f"damaged ({reason})"
         left_out = LEFT_OUT.get(table, "it is left out")

@@ -969,15 +969,45 @@ def refuse_writes(con: duckdb.DuckDBPyConnection, sql: str) -> None:
             raise ReadOnlyError(f"read-only: {kind} statements are not allowed (updatelens sql --write allows them)")
 
 
-def fetch(root: str | Path, sql: str, params: list[object] | None = None,
-          write: bool = False) -> tuple[list[str], list[tuple[object, ...]]]:
+class QueryTimeout(Exception):
+    """A query ran past its time limit and was interrupted."""
+
+
+def fetch(root: str | Path, sql: str, params: list[object] | None = None, write: bool = False,
+          timeout_s: float | None = None) -> tuple[list[str], list[tuple[object, ...]]]:
     """`query` as column names and rows, without polars (what `updatelens sql` prints: its import is
-    most of a small query's time)."""
+    most of a small query's time). With `timeout_s`, a query still running then is interrupted
+    (QueryTimeout)."""
+    import threading
+
     with connect(root, read_only=not write) as con:
         if not write:
             refuse_writes(con, sql)
-        rel = con.sql(sql, params=params) if params else con.sql(sql)
-        return (list(rel.columns), rel.fetchall()) if rel is not None else ([], [])
+        expired = threading.Event()
+
+        def stop() -> None:
+            expired.set()
+            con.interrupt()
+
+        timer = threading.Timer(timeout_s, stop) if timeout_s else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            rel = con.execute(sql, params) if params else con.execute(sql)
+            columns = [d[0] for d in rel.description] if rel.description else []
+            return (columns, rel.fetchall()) if columns else ([], [])
+        except duckdb.InterruptException as exc:
+            if expired.is_set():
+                raise QueryTimeout(f"the query ran past its limit of {timeout_s:g} s and was stopped") from exc
+            raise
+        except RuntimeError as exc:  # Ctrl-C: DuckDB stops the query and raises this from the KeyboardInterrupt
+            if isinstance(exc.__cause__, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
 
 def query(root: str | Path, sql: str, params: list[object] | None = None, write: bool = False) -> pl.DataFrame:

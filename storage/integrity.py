@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,6 +33,7 @@ from updatelens.storage.location import as_root, is_local, url
 
 QUARANTINE = "_quarantine"
 MANIFEST = "manifest.json"
+PART_FILE = "part-0.parquet"  # the one data file of a partition (storage.layout writes it)
 _CHUNK = 1 << 22
 
 
@@ -163,6 +165,29 @@ def read_manifest(file: str | Path) -> dict | None:
 _verified: dict[tuple[str, int, int, tuple[int, int] | None], str | None] = {}
 
 
+def layer_of(folder_name: str) -> int | None:
+    """The layer a `layer=<n>` folder stands for, where the name is exactly the layout's spelling
+    (`layer=7`, not `layer=07`, `layer=7.bak` or `layer=7 copy`); None otherwise."""
+    text = folder_name.removeprefix("layer=")
+    return int(text) if folder_name.startswith("layer=") and re.fullmatch(r"0|[1-9][0-9]*", text) else None
+
+
+def layout_error(path: UPath) -> str | None:
+    """Why a file found under `<table>/model=*/layer=*/` is not a partition the layout wrote (None: it
+    may be): a folder that is not the layout's spelling of a layer (a second spelling of a key would
+    be read as the same layer twice; a backup's name breaks the views' key column), or, under a local
+    root, a symbolic link on the way (its target can change without this root's manifests knowing)."""
+    layer_dir, model_dir = path.parent, path.parent.parent
+    if layer_of(layer_dir.name) is None:
+        return (f"its folder {layer_dir.name!r} is not the layout's spelling of a layer (layer=<n>, no leading "
+                f"zero): a copy or a backup, not a partition")
+    if is_local(path):
+        for part in (model_dir, layer_dir, path):
+            if os.path.islink(part.path):
+                return f"{part.name} is a symbolic link, not a partition written under this root"
+    return None
+
+
 def partition_error(file: str | Path, full: bool = False) -> str | None:
     """Why a stored partition file cannot be trusted (None: listed in its manifest with this size
     and checksum, and its footer reads). A local file whose size and modification time are still the
@@ -170,6 +195,9 @@ def partition_error(file: str | Path, full: bool = False) -> str | None:
     verify`): any write to it changes its mtime; only damage below the file system (a bit rotting on
     disk) waits for `verify`."""
     path = as_root(file)
+    misplaced = layout_error(path)
+    if misplaced is not None:
+        return misplaced
     try:
         info = path.stat()
     except FileNotFoundError:
@@ -218,7 +246,8 @@ def scan(root: str | Path, tables: tuple[str, ...], prefix: str = "",
             if reason is None:
                 good.setdefault(table, []).append(url(file))
             else:
-                damaged.append(Damaged(url(file), table, _key(file.parent.parent.name), int(_key(file.parent.name)),
+                layer = layer_of(file.parent.name)
+                damaged.append(Damaged(url(file), table, _key(file.parent.parent.name), -1 if layer is None else layer,
                                        reason))
     return good, damaged
 
@@ -226,9 +255,19 @@ def scan(root: str | Path, tables: tuple[str, ...], prefix: str = "",
 def quarantine(root: str | Path, file: str | Path, relative: str | None = None) -> UPath:
     """Move a damaged file, and the manifest beside it when it lists that file, to `<root>/_quarantine/<time>/<its path under
     root>` (or `relative`, for a file already moved out of its place); returns where the file went."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    if is_local(as_root(root)):  # a symbolic link on the way moves itself: its target is not this root's to move
+        # (as_root resolves links: the path as listed is what says where the link is)
+        top, listed = os.path.abspath(str(root)), os.path.abspath(str(file).removeprefix("file://"))
+        for part in (os.path.dirname(os.path.dirname(listed)), os.path.dirname(listed), listed):
+            if os.path.islink(part):
+                moved = Path(top) / QUARANTINE / stamp / os.path.relpath(part, top)
+                moved.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(part, moved)
+                return as_root(moved)
     root, file = as_root(root), as_root(file)
     relative = relative or str(file).removeprefix(str(root)).lstrip("/")
-    target = root / QUARANTINE / time.strftime("%Y%m%dT%H%M%S") / relative
+    target = root / QUARANTINE / stamp / relative
     manifest = file.parent / MANIFEST
     # the manifest goes only with the file it lists: a stray file beside a good one leaves it in place
     moves = [(file, target)] + ([(manifest, target.parent / MANIFEST)] if read_manifest(file) is not None else [])
@@ -238,7 +277,39 @@ def quarantine(root: str | Path, file: str | Path, relative: str | None = None) 
             os.replace(source, destination)
         else:
             root.fs.mv(source.path, destination.path)
+    if is_local(root):
+        try:
+            os.rmdir(file.parent.path)  # a folder left empty (a copy's or a backup's) goes too
+        except OSError:
+            pass  # not empty: other files stay where they are
     return target
+
+
+def layer_runs(root: str | Path, model: str, layer: int, tables: tuple[str, ...]) -> dict[tuple[str, str], list[str]]:
+    """The (config_id, code_version) each table of a (model, layer) was written under, from the
+    manifests: one key where the layer's tables agree; more after a run with other settings stopped
+    between its stages. An empty partition (its rows state none) does not count."""
+    runs: dict[tuple[str, str], list[str]] = {}
+    for table in tables:
+        entry = read_manifest(as_root(root) / table / f"model={model}" / f"layer={layer}" / PART_FILE)
+        if entry is not None and entry.get("config_id"):
+            runs.setdefault((str(entry["config_id"]), str(entry.get("code_version"))), []).append(table)
+    return runs
+
+
+def mixed_layers(root: str | Path, tables: tuple[str, ...]) -> list[tuple[str, int, dict[tuple[str, str], list[str]]]]:
+    """(model, layer, tables per (config_id, code_version)) of every stored layer whose tables were
+    written under more than one configuration or code version: not one run's results."""
+    root = as_root(root)
+    layers = sorted({(_key(f.parent.parent.name), layer) for table in tables
+                     for f in root.glob(f"{table}/model=*/layer=*/*.parquet")
+                     if (layer := layer_of(f.parent.name)) is not None})
+    out = []
+    for model, layer in layers:
+        runs = layer_runs(root, model, layer, tables)
+        if len(runs) > 1:
+            out.append((model, layer, runs))
+    return out
 
 
 def incomplete_layers(root: str | Path, tables: tuple[str, ...]) -> list[tuple[str, int, list[str]]]:
@@ -248,6 +319,8 @@ def incomplete_layers(root: str | Path, tables: tuple[str, ...]) -> list[tuple[s
     stored: dict[tuple[str, int], set[str]] = {}
     for table in tables:
         for file in root.glob(f"{table}/model=*/layer=*/*.parquet"):
-            stored.setdefault((_key(file.parent.parent.name), int(_key(file.parent.name))), set()).add(table)
+            layer = layer_of(file.parent.name)
+            if layer is not None:  # another spelling is listed as damaged, not counted as the layer
+                stored.setdefault((_key(file.parent.parent.name), layer), set()).add(table)
     return [(model, layer, [t for t in tables if t not in have])
             for (model, layer), have in sorted(stored.items()) if len(have) < len(tables)]

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from upath import UPath
 
-from updatelens.storage.integrity import MANIFEST, partition_error, quarantine, write_manifest
+from updatelens.storage.integrity import MANIFEST, PART_FILE, partition_error, quarantine, write_manifest
 from updatelens.storage.location import as_root, is_local, url
 
 # a local path or an object-store one (storage.location.as_root makes either a UPath)
@@ -48,7 +48,6 @@ STAGING = "_staging"
 TARGET_SUFFIX = ".target"
 LOCKS = "_locks"
 DAGSTER_DIR = "_dagster"  # a local data root's own Dagster instance (orchestration.runner.root_dagster_home)
-PART_FILE = "part-0.parquet"
 ROW_GROUP_ROWS = 8192
 # Files committed last when a folder is published to an object store (readers open these first).
 ENTRY_FILES = ("index.html", PART_FILE, "run.parquet", MANIFEST)  # committed last, the manifest after its file

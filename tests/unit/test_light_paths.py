@@ -46,3 +46,37 @@ def test_the_catalog_and_the_report_builders_import_nothing_heavy() -> None:
 def test_the_check_would_see_a_heavy_import() -> None:
     """The positive control of the tests above: importing the engine's capture pulls in torch."""
     assert "torch" in heavy_imports("import updatelens.capture")
+
+
+LONG_QUERY = "SELECT count(*) FROM range(1000000000000) a"
+
+
+def test_a_query_past_its_timeout_or_interrupted_ends_in_one_line(tmp_path: Path) -> None:
+    """`--timeout` stops a long query; Ctrl-C (SIGINT) during one ends it too; either way one line on
+    stderr, no traceback."""
+    import signal
+    import time
+
+    fixture(tmp_path)
+    command = [sys.executable, "-m", "updatelens.orchestration.cli", "sql", "--data-root", str(tmp_path)]
+    start = time.perf_counter()
+    done = subprocess.run([*command, "--timeout", "1", LONG_QUERY], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and time.perf_counter() - start < 60
+    assert done.stderr.strip() == "updatelens sql: the query ran past its limit of 1 s and was stopped", done.stderr
+    subprocess.run([*command, "SELECT 1"], check=True, capture_output=True)  # the catalog is built: the next starts fast
+    # SIGINT as a terminal delivers it (a runner that started this suite in the background may have set
+    # it to be ignored, which the child would inherit)
+    proc = subprocess.Popen([*command, LONG_QUERY], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(3)
+    for _ in range(10):  # a Ctrl-C that lands while DuckDB verifies the catalog can be absorbed: press again
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=5)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    else:
+        proc.kill()
+        raise AssertionError("the query did not stop on SIGINT")
+    assert proc.returncode == 130 and err.strip() == "updatelens sql: interrupted; nothing was written", err

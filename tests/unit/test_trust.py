@@ -379,3 +379,58 @@ def test_an_empty_partition_verifies_only_where_its_manifest_says_it_is_empty(tm
     entry.update(bytes=stat.st_size, mtime_ns=stat.st_mtime_ns, sha256=sha256_of(target))  # rows: still 4
     (target.parent / MANIFEST).write_text(json.dumps(entry))
     assert partition_error(target, full=True) == "no rows"
+
+
+def test_folders_the_layout_does_not_write_are_never_read_and_are_set_aside(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A second spelling of a key (layer=03 beside layer=3: read as layer 3 twice before), a backup's
+    name (layer=4.bak: a key the views could not cast) and a layer folder replaced by a symbolic link
+    (its target can change behind the manifests) are left out of every view and named in
+    damaged_partitions; verify names them without a traceback and --repair sets them aside (the
+    link itself, never its target); the real partitions answer throughout."""
+    from updatelens.orchestration.cli import main
+
+    root = tmp_path / "root"
+    two_layers(root)
+    table = root / "activations" / "model=m"
+    shutil.copytree(table / "layer=3", table / "layer=03")
+    shutil.copytree(table / "layer=4", table / "layer=4.bak")
+    elsewhere = tmp_path / "elsewhere"
+    write_partition(elsewhere, "activations", "m", 5, rows(5))
+    (table / "layer=5").symlink_to(elsewhere / "activations" / "model=m" / "layer=5", target_is_directory=True)
+    assert catalog.query(root, "SELECT layer, count(*) AS n FROM activations GROUP BY layer ORDER BY layer"
+                         ).rows() == [(3, 4), (4, 4)]
+    listed = catalog.query(root, "SELECT layer, reason FROM damaged_partitions ORDER BY reason").rows()
+    assert len(listed) == 3, listed
+    assert sum("not the layout's spelling" in reason for _, reason in listed) == 2
+    assert any("layer=5 is a symbolic link" in reason for _, reason in listed)
+    assert main(["verify", "--data-root", str(root)]) == 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and out.out.count("damaged: ") == 3
+    assert main(["verify", "--data-root", str(root), "--repair"]) == 1
+    capsys.readouterr()
+    main(["verify", "--data-root", str(root)])  # what is left: layers 3 and 4 (this root holds activations only)
+    out = capsys.readouterr().out
+    assert "damaged" not in out and out.count("incomplete: ") == 2, out
+    assert sorted(p.name for p in table.iterdir()) == ["layer=3", "layer=4"]
+    assert (elsewhere / "activations" / "model=m" / "layer=5" / "part-0.parquet").exists()  # the target is kept
+    assert catalog.query(root, "SELECT count(*) AS n FROM activations")["n"][0] == 8
+
+
+def test_a_layer_whose_tables_come_from_two_runs_is_incomplete(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A run with other settings stopped after its first stage: the layer's activations are of config c2,
+    its other tables of c1. verify calls the layer incomplete and names both; layer 4 (one run) is not."""
+    from updatelens.orchestration.cli import main
+    from updatelens.storage.integrity import mixed_layers
+
+    for layer in (3, 4):
+        for table in ("activations", "local_fits"):
+            write_partition(tmp_path, table, "m", layer, rows(layer))
+    write_partition(tmp_path, "activations", "m", 3, rows(3, config="c2"))
+    mixed = mixed_layers(tmp_path, ("activations", "local_fits"))
+    assert [(model, layer, sorted(config for config, _ in runs)) for model, layer, runs in mixed] == [("m", 3, ["c1", "c2"])]
+    assert main(["verify", "--data-root", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "incomplete: model=m layer=3: its tables come from different runs: activations at config c2" in out, out
+    assert "layer=4: its tables" not in out
