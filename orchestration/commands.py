@@ -453,7 +453,13 @@ def cmd_ui(args: argparse.Namespace) -> int:
                          f"      location_name: {location_name(root)}\n")
     cmd = [sys.executable, "-m", "dagster", "dev", "-w", str(workspace), "-h", args.host, "-p", str(args.port)]
     print(f"Dagster UI on http://{args.host}:{args.port} for the data root {root} (DAGSTER_HOME={home})", flush=True)
-    # restore default signal handling so SIGTERM stops the server even when started with `&`
+    return serve(cmd, env)
+
+
+def serve(cmd: list[str], env: dict[str, str]) -> int:
+    """Run a server (dagster dev, marimo) until it ends; SIGTERM and SIGINT sent to this process are
+    passed on to it, so stopping `updatelens ui` or `notebook` stops the server too (its default
+    signal handling restored, so this holds even when started with `&`)."""
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: (
         signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)))
 
@@ -497,4 +503,4 @@ def cmd_notebook(args: argparse.Namespace) -> int:
     if args.headless:
         cmd.append("--headless")
     print(" ".join(cmd), flush=True)
-    return subprocess.call(cmd, env=env)
+    return serve(cmd, env)

@@ -119,11 +119,13 @@ def test_the_notebook_runs_headless_over_the_catalog(run) -> None:
 @pytest.mark.needs_tool(("chromium", "chromium-browser"), "apt-get install chromium")
 def test_the_served_notebook_opens_with_its_answers(run, tmp_path: Path) -> None:
     """`updatelens notebook` serves the app: in a headless browser, without a click, the page shows the
-    findings table (with verdicts) and the charts; nothing is written into the repository."""
+    findings table (with verdicts) and the charts; nothing is written into the repository. Stopping
+    `updatelens notebook` with SIGTERM stops its marimo server too."""
     import os
     import signal
     import subprocess
     import sys
+    import time
 
     from tests.browser import open_page
     from tests.pipeline.test_webserver import REPO, free_port
@@ -142,8 +144,19 @@ def test_the_served_notebook_opens_with_its_answers(run, tmp_path: Path) -> None
             # the layer curves and the error-against-KL plot drawn
             page.wait_for(lambda _: page.count("canvas, svg.marks") >= 2, 60)
             page.screenshot(tmp_path / "notebook.png")
+        proc.send_signal(signal.SIGTERM)  # to `updatelens notebook` alone: it passes the signal on to marimo
+        proc.wait(timeout=30)
+        deadline = time.time() + 30
+        while (left := subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.strip()) \
+                and time.time() < deadline:
+            time.sleep(0.5)
+        assert not left, "the marimo server kept running after `updatelens notebook` was stopped"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is None or subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait(timeout=30)
     assert set(REPO.glob("reports/__marimo__/**/*")) == before  # the app writes nothing beside the notebook
 
