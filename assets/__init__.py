@@ -1,4 +1,4 @@
-"""The five software-defined assets, one module per stage (thin wiring over updatelens)."""
+"""The software-defined assets, one module per stage and per report (thin wiring over updatelens)."""
 
 import warnings
 

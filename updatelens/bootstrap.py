@@ -136,8 +136,8 @@ class ResampledGrams:
     """The Gram matrix sum_i w_i v_i v_i^T of a statistic's rows on each resample (`counts` [b, n_seq]),
     accumulated block by block in whichever of two forms holds fewer d x d matrices: one per resample
     (b of them) or one per sequence (n_seq of them; each resample's Gram is then the counts-weighted
-    sum, formed a few at a time in `effective_ranks`). The default job (16 sequences, 50 spectra
-    resamples) keeps 16 per statistic, the study preset (1,024 sequences) 50. Stored in float32
+    sum, formed a few at a time in `effective_ranks`). The default job (16 sequences, 20 spectra
+    resamples: `bootstrap_spectra`) keeps 16 per statistic, the study preset (1,024 sequences, 50) 50. Stored in float32
     (their eigenvalues feed an entropy, not a solve); products in float64."""
 
     def __init__(self, counts: np.ndarray, d: int) -> None:

@@ -102,7 +102,8 @@ class AnalysisConfig:
     positive_controls: tuple[str, ...] = ("self_only",)
     patch_batch: int = 8  # rows (variant x sequence) per patched forward pass (8: measured fastest on SmolLM2, CPU)
     # sequences whose unpatched distributions are held at once by the functional stage: its memory is
-    # kl_block x seq_len x vocabulary x 4 bytes (SmolLM2: 16 x 128 x 49,152 x 4 = 403 MB), whatever n_seq
+    # block x seq_len x vocabulary x 4 bytes, whatever n_seq, the block being kl_block capped by kl_budget_mb
+    # below (SmolLM2: 10 x 128 x 49,152 x 4 bytes = 240 MiB)
     kl_block: int = 16
     # ... and at most this many MiB of them: a 262,144-token vocabulary (Gemma) makes one 128-token
     # sequence 128 MiB of float32 log-probabilities, so its block is 2 sequences (`kl_block_size`;

@@ -42,7 +42,7 @@ I32, I64, F64, STR, BOOL = pa.int32(), pa.int64(), pa.float64(), pa.string(), pa
 LAYER = _c("layer", I32, "block index l: the row describes the update h_l -> h_{l+1} of block l")
 SEQ = _c("seq", I32, "sequence index in the corpus sample (windows of seq_len tokens)")
 POS = _c("pos", I32, "token position within its sequence (0 is BOS or the first token, never analysed)")
-FN_CLASS = _c("fn_class", STR, "function class of the local fit T: diagonal, low_rank, full_linear, mlp, ...")
+FN_CLASS = _c("fn_class", STR, "function class of the fit T: diagonal, psd_diagonal, lowrank, orthogonal, global_linear or mlp")
 REPLICATE = _c("replicate", I32, "bootstrap resample over documents (0 .. bootstrap-1)")
 
 PROVENANCE: tuple[Column, ...] = (
@@ -146,12 +146,13 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
     elif table == "functional_metrics":
         body = [FN_CLASS, _c("variant", STR, "the patch: tokenwise (T(x)), random (same-size random "
                                              "perturbation), crude (a cruder class), identity"),
-                _c("patch_mode", STR, "single: one position patched per pass; all: every position at once"),
+                _c("patch_mode", STR, "exact: every position's single-position effect in one pass; "
+                                      "single: one position patched per pass; all: every position at once"),
                 SEQ, POS, _c("kl", F64, "KL(original || patched) of the next-token distribution, in nats (>= 0)"),
                 _c("rel_err", F64, "the patched state's relative error"), _c("norm_res", F64, "the patched state's ||r||")]
     elif table == "functional_summary":
         body = [FN_CLASS, _c("variant", STR, "the patch (see functional_metrics)"),
-                _c("patch_mode", STR, "single or all"), _c("n_tokens", I32, "tokens patched"),
+                _c("patch_mode", STR, "exact, single or all"), _c("n_tokens", I32, "tokens patched"),
                 _c("kl_mean", F64, "mean KL"), _c("kl_median", F64, "median KL"), _c("kl_max", F64, "largest KL"),
                 _c("kl_raw_min", F64, "smallest KL before its clamp at 0 (rounding shows here)"),
                 _c("spearman_relerr_kl", F64, "Spearman correlation of rel_err and KL over tokens"),
