@@ -301,32 +301,57 @@ ORDER BY model, config_id, finding
 
 # Every pair of models side by side, finding by finding (each model on its best class, every
 # configuration stored): both values with their intervals, their difference, and the difference's
-# 95% interval from resample b of one model against resample b of the other (independent samples,
-# so pairing the resamples by number is pairing two independent draws). Where a paper's claim says
-# which model should be higher (the larger model's Spearman in finding 4; the smaller model's
-# diagonal-lowrank gap in finding 5), the interval says whether the two models separate.
+# 95% interval. Resample b of a model draws documents by position with the configuration's seed, so
+# two models that sampled the same documents (same corpus, same document in every window:
+# `same_documents`) are paired resample by resample: the same documents drawn, a paired bootstrap.
+# Where they sampled different documents, resample b of one is set against resample b + 1 of the
+# other (independent draws: the same draw by position would tie unrelated documents together).
+# Where the documents are not stored (no activations), the resamples are paired by number and
+# `same_documents` is NULL. Where a paper's claim says which model should be higher (the larger
+# model's Spearman in finding 4; the smaller model's diagonal-lowrank gap in finding 5), the
+# interval says whether the two models separate.
 ACROSS_MODELS_SQL = """
 CREATE OR REPLACE VIEW findings_across_models AS
 WITH best AS (SELECT model, config_id, fn_class, finding, value, ci_lo, ci_hi, verdict, n_layers FROM findings),
 reps AS (
     SELECT r.model, r.config_id, r.finding, r.replicate, r.value
     FROM finding_replicates r JOIN best USING (model, config_id, fn_class, finding) WHERE r.replicate >= 0
+),
+n_reps AS (SELECT model, config_id, finding, count(*) AS n FROM reps GROUP BY ALL),
+sampled AS ({sampled}),
+pairs AS (
+    SELECT a.*, b.model AS model_b, b.config_id AS config_b, b.fn_class AS class_b, b.n_layers AS layers_b,
+           b.value AS value_b, b.ci_lo AS ci_lo_b, b.ci_hi AS ci_hi_b, b.verdict AS verdict_b,
+           CASE WHEN sa.docs IS NULL OR sb.docs IS NULL THEN NULL
+                ELSE sa.corpus = sb.corpus AND sa.docs = sb.docs END AS same_documents
+    FROM best a JOIN best b ON a.finding = b.finding AND a.model < b.model
+    LEFT JOIN sampled sa ON sa.model = a.model AND sa.config_id = a.config_id
+    LEFT JOIN sampled sb ON sb.model = b.model AND sb.config_id = b.config_id
 )
-SELECT a.finding, a.model AS model_a, a.config_id AS config_a, a.fn_class AS class_a, a.n_layers AS layers_a,
-       a.value AS value_a, a.ci_lo AS ci_lo_a, a.ci_hi AS ci_hi_a, a.verdict AS verdict_a,
-       b.model AS model_b, b.config_id AS config_b, b.fn_class AS class_b, b.n_layers AS layers_b,
-       b.value AS value_b, b.ci_lo AS ci_lo_b, b.ci_hi AS ci_hi_b, b.verdict AS verdict_b,
-       a.value - b.value AS diff,
+SELECT p.finding, p.model AS model_a, p.config_id AS config_a, p.fn_class AS class_a, p.n_layers AS layers_a,
+       p.value AS value_a, p.ci_lo AS ci_lo_a, p.ci_hi AS ci_hi_a, p.verdict AS verdict_a,
+       p.model_b, p.config_b, p.class_b, p.layers_b, p.value_b, p.ci_lo_b, p.ci_hi_b, p.verdict_b,
+       p.value - p.value_b AS diff,
        quantile_cont(ra.value - rb.value, 0.025) AS diff_ci_lo,
        quantile_cont(ra.value - rb.value, 0.975) AS diff_ci_hi,
-       count(rb.value) AS n_resamples
-FROM best a JOIN best b ON a.finding = b.finding AND a.model < b.model
-LEFT JOIN reps ra ON ra.model = a.model AND ra.config_id = a.config_id AND ra.finding = a.finding
-LEFT JOIN reps rb ON rb.model = b.model AND rb.config_id = b.config_id AND rb.finding = b.finding
-                 AND rb.replicate = ra.replicate
+       count(rb.value) AS n_resamples, p.same_documents,
+       CASE WHEN p.same_documents IS NULL THEN 'by resample number (documents not stored)'
+            WHEN p.same_documents THEN 'paired (same documents)'
+            ELSE 'independent (different documents)' END AS resampling
+FROM pairs p
+LEFT JOIN reps ra ON ra.model = p.model AND ra.config_id = p.config_id AND ra.finding = p.finding
+LEFT JOIN n_reps nb ON nb.model = p.model_b AND nb.config_id = p.config_b AND nb.finding = p.finding
+LEFT JOIN reps rb ON rb.model = p.model_b AND rb.config_id = p.config_b AND rb.finding = p.finding
+                 AND rb.replicate = CASE WHEN p.same_documents IS DISTINCT FROM false THEN ra.replicate
+                                         ELSE (ra.replicate + 1) % nb.n END
 GROUP BY ALL
-ORDER BY a.finding, model_a, model_b
+ORDER BY p.finding, model_a, p.model_b
 """
+# the documents each (model, configuration) sampled, window by window, from the stored activations
+SAMPLED_SQL = ("SELECT model, config_id, any_value(corpus) AS corpus, "
+               "list(DISTINCT (seq, doc) ORDER BY (seq, doc)) AS docs FROM activations GROUP BY model, config_id")
+NO_SAMPLED_SQL = ("SELECT NULL::VARCHAR AS model, NULL::VARCHAR AS config_id, NULL::VARCHAR AS corpus, "
+                  "NULL::STRUCT(seq INTEGER, doc INTEGER)[] AS docs WHERE false")
 
 # How each finding moves with each convention. Three kinds of rows:
 #   a convention swept as a configuration (sweep_runs: one config per setting), measured on the
@@ -729,7 +754,7 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[lis
     views += ([f"conv_{t}" for t in PLAIN_TABLES if t in converged] + conv_control_views
               + _create_family(con, converged, "conv_", conv_controls))
     if "findings" in views:
-        con.execute(ACROSS_MODELS_SQL)
+        con.execute(ACROSS_MODELS_SQL.format(sampled=SAMPLED_SQL if "activations" in views else NO_SAMPLED_SQL))
         views.append("findings_across_models")
     else:
         con.execute("DROP VIEW IF EXISTS findings_across_models")

@@ -437,6 +437,41 @@ def test_findings_across_models_pair_the_resamples_of_two_models(tmp_path: Path)
     assert rows["4"]["diff_ci_hi"] == pytest.approx(np.quantile(diff, 0.975)) and rows["4"]["n_resamples"] == 40
 
 
+def test_findings_across_models_pair_resamples_only_where_the_models_sampled_the_same_documents(
+        tmp_path: Path) -> None:
+    """With the documents stored (the activations' `doc` per window): two models that sampled the same
+    documents are paired resample by resample; two that sampled different ones are set against
+    independent resamples (b against b + 1), and `same_documents` says which."""
+    test_findings_across_models_pair_the_resamples_of_two_models(tmp_path)
+
+    def windows(model: str, docs: list[int]) -> None:
+        for layer in range(LAYERS):
+            n = len(docs)
+            write_partition(tmp_path, "activations", model, layer, pa.table({
+                "model": [model] * n, "layer": pa.array([layer] * n, pa.int32()), "config_id": ["c1"] * n,
+                "corpus": ["wiki"] * n, "seq": pa.array(range(n), pa.int32()), "doc": pa.array(docs, pa.int32())}))
+
+    def row() -> dict:
+        return catalog.query(tmp_path, "SELECT * FROM findings_across_models WHERE finding = '4'").to_dicts()[0]
+
+    def replicates(model: str, fn_class: str) -> np.ndarray:
+        return catalog.query(tmp_path, "SELECT value FROM finding_replicates WHERE model = $1 AND finding = '4' "
+                                       "AND fn_class = $2 AND replicate >= 0 ORDER BY replicate",
+                             [model, fn_class])["value"].to_numpy()
+
+    windows("m", [0, 1, 2, 3])
+    windows("n", [0, 1, 2, 3])
+    same = row()
+    a, b = replicates("m", same["class_a"]), replicates("n", same["class_b"])
+    assert same["same_documents"] is True and same["resampling"] == "paired (same documents)"
+    assert same["diff_ci_lo"] == pytest.approx(np.quantile(a - b, 0.025))
+    windows("n", [0, 1, 2, 7])  # another article in the last window
+    other = row()
+    assert other["same_documents"] is False and other["resampling"] == "independent (different documents)"
+    assert other["diff_ci_lo"] == pytest.approx(np.quantile(a - np.roll(b, -1), 0.025))
+    assert other["diff_ci_hi"] == pytest.approx(np.quantile(a - np.roll(b, -1), 0.975)) and other["n_resamples"] == 40
+
+
 def test_results_of_an_older_version_without_a_new_column_leave_the_derived_views_out(tmp_path: Path) -> None:
     """While a rerun replaces stale results, files that predate a column the views read must not
     break the catalog (every stage refreshes it): the per-table views answer, the derived ones wait."""
