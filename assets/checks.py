@@ -105,6 +105,8 @@ def _metadata(verdict: Verdict, partitions: int, settings: CheckSettings) -> dic
         "expectations_passed": len(verdict.evaluated) - n_failed,
         "thresholds": dg.MetadataValue.json(settings.model_dump()),
     }
+    if verdict.measured:
+        metadata["measured"] = dg.MetadataValue.json(verdict.measured)
     if verdict.not_checked:
         metadata["not_checked"] = dg.MetadataValue.md("\n".join(f"- {n}" for n in verdict.not_checked[:50]))
     if n_failed:
@@ -320,6 +322,8 @@ def check_fits(parts: Iterable[pa.Table], cfg: AnalysisConfig, d_model: int, set
     for fn_class in cfg.classes:
         part = table.filter(pc.equal(table["fn_class"], fn_class))
         frac = float(np.mean(part["degenerate"].to_numpy(zero_copy_only=False))) if len(part) else 1.0
+        verdict.measured[f"degenerate_share({fn_class})"] = round(frac, 4)
+        verdict.measured["degenerate_share_bound"] = settings.max_degenerate_frac
         verdict.expect(f"degenerate_share({fn_class}) <= {settings.max_degenerate_frac}",
                        frac <= settings.max_degenerate_frac,
                        f"{fn_class}: {frac:.1%} of fits are degenerate (bound {settings.max_degenerate_frac:.0%})")
@@ -480,6 +484,8 @@ def check_rel_err_bounds(residuals: pa.Table, settings: CheckSettings) -> Verdic
         part = residuals.filter(pc.equal(residuals["fn_class"], fn_class))
         medians[fn_class] = float(np.median(part["rel_err"].to_numpy()))
     best = min(medians, key=lambda c: medians[c]) if medians else ""
+    verdict.measured.update({f"rel_err_median({c})": round(m, 4) for c, m in medians.items()},
+                            best_class=best, bound=settings.max_best_rel_err_median)
     ok = bool(medians) and medians[best] <= settings.max_best_rel_err_median
     verdict.expect(f"median rel_err of best class <= {settings.max_best_rel_err_median}", ok,
                    f"best class {best!r} has median relative error {medians.get(best, float('nan')):.3f} "

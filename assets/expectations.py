@@ -37,6 +37,7 @@ class Verdict:
     failures: list[str] = field(default_factory=list)  # one message per failed expectation
     offenders: list[dict[str, Any]] = field(default_factory=list)  # worst rows, for the UI
     not_checked: list[str] = field(default_factory=list)  # what could not be checked, and why
+    measured: dict[str, Any] = field(default_factory=dict)  # the measured values beside their bounds, for the UI
 
     def cannot_check(self, reason: str) -> None:
         """Record an expectation that had nothing to test (it passes, and says so: never silently)."""
@@ -57,6 +58,7 @@ class Verdict:
         self.evaluated.extend(other.evaluated)
         self.failures.extend(f"{prefix}{f}" for f in other.failures)
         self.not_checked.extend(f"{prefix}{n}" for n in other.not_checked)
+        self.measured.update({f"{prefix}{k}": v for k, v in other.measured.items()})
         self.offenders.extend({**({"partition": prefix.strip(": ")} if prefix else {}), **o} for o in other.offenders)
 
 

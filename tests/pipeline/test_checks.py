@@ -211,6 +211,8 @@ def test_degenerate_fits_fail_the_fits_check_and_block_the_residuals(
     monkeypatch.setattr(assets.local_fits, "fit_row_parts", flagged)
     result, instance = run(zoo, tmp_path)
     assert_blocked(result, instance, "fits_valid", "of fits are degenerate (bound 5%)", "residuals", tmp_path)
+    measured = evaluations(result)["fits_valid"].metadata["measured"].value
+    assert measured["degenerate_share_bound"] == 0.05 and 0.2 < measured["degenerate_share(diagonal)"] < 0.3
 
 
 def test_fits_far_worse_than_the_update_fail_the_relative_error_bound(
@@ -222,6 +224,8 @@ def test_fits_far_worse_than_the_update_fail_the_relative_error_bound(
     bound = checks["rel_err_within_bounds"]
     assert not bound.passed and "best class 'diagonal' has median relative error" in bound.description
     assert f"(bound {LOOSE.max_best_rel_err_median})" in bound.description
+    measured = bound.metadata["measured"].value  # the UI shows the measured value beside its bound
+    assert measured["bound"] == LOOSE.max_best_rel_err_median < measured["rel_err_median(diagonal)"]
 
 
 def test_one_blown_up_fit_fails_its_check(zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
