@@ -1001,38 +1001,45 @@ class QueryTimeout(Exception):
 def fetch(root: str | Path, sql: str, params: list[object] | None = None, write: bool = False,
           timeout_s: float | None = None) -> tuple[list[str], list[tuple[object, ...]]]:
     """`query` as column names and rows, without polars (what `updatelens sql` prints: its import is
-    most of a small query's time). With `timeout_s`, a query still running then is interrupted
-    (QueryTimeout)."""
+    most of a small query's time). The query runs in a worker thread while this one waits, so a
+    Ctrl-C (KeyboardInterrupt, raised here) or `timeout_s` (QueryTimeout) stops it through DuckDB's
+    interrupt, whether or not DuckDB itself looks at the signal."""
     import threading
+    import time
 
     with connect(root, read_only=not write) as con:
         if not write:
             refuse_writes(con, sql)
-        expired = threading.Event()
+        outcome: dict[str, Any] = {}
 
-        def stop() -> None:
-            expired.set()
-            con.interrupt()
+        def work() -> None:
+            try:
+                rel = con.execute(sql, params) if params else con.execute(sql)
+                columns = [d[0] for d in rel.description] if rel.description else []
+                outcome["rows"] = (columns, rel.fetchall() if columns else [])
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the waiting thread
+                outcome["error"] = exc
 
-        timer = threading.Timer(timeout_s, stop) if timeout_s else None
-        if timer is not None:
-            timer.daemon = True
-            timer.start()
+        worker = threading.Thread(target=work, name="updatelens-query", daemon=True)
+        deadline = time.monotonic() + timeout_s if timeout_s else None
+        worker.start()
         try:
-            rel = con.execute(sql, params) if params else con.execute(sql)
-            columns = [d[0] for d in rel.description] if rel.description else []
-            return (columns, rel.fetchall()) if columns else ([], [])
-        except duckdb.InterruptException as exc:
-            if expired.is_set():
-                raise QueryTimeout(f"the query ran past its limit of {timeout_s:g} s and was stopped") from exc
+            while worker.is_alive():
+                worker.join(0.05)
+                if deadline is not None and time.monotonic() > deadline and worker.is_alive():
+                    outcome["expired"] = True
+                    con.interrupt()
+                    worker.join()
+        except KeyboardInterrupt:
+            con.interrupt()
+            worker.join()
             raise
-        except RuntimeError as exc:  # Ctrl-C: DuckDB stops the query and raises this from the KeyboardInterrupt
-            if isinstance(exc.__cause__, KeyboardInterrupt):
-                raise KeyboardInterrupt from None
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
+        error = outcome.get("error")
+        if error is None:
+            return outcome["rows"]
+        if isinstance(error, duckdb.InterruptException) and outcome.get("expired"):
+            raise QueryTimeout(f"the query ran past its limit of {timeout_s:g} s and was stopped") from error
+        raise error
 
 
 def query(root: str | Path, sql: str, params: list[object] | None = None, write: bool = False) -> pl.DataFrame:

@@ -64,10 +64,14 @@ def test_a_query_past_its_timeout_or_interrupted_ends_in_one_line(tmp_path: Path
     assert done.returncode == 2 and time.perf_counter() - start < 60
     assert done.stderr.strip() == "updatelens sql: the query ran past its limit of 1 s and was stopped", done.stderr
     subprocess.run([*command, "SELECT 1"], check=True, capture_output=True)  # the catalog is built: the next starts fast
-    # SIGINT as a terminal delivers it (a runner that started this suite in the background may have set
-    # it to be ignored, which the child would inherit)
+    # SIGINT as a terminal delivers it: a runner that started this suite in the background may have set it
+    # to be ignored, and a test worker's thread may block it; the child would inherit either
+    def as_from_a_terminal() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
     proc = subprocess.Popen([*command, LONG_QUERY], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=as_from_a_terminal)
     time.sleep(3)
     for _ in range(10):  # a Ctrl-C that lands while DuckDB verifies the catalog can be absorbed: press again
         proc.send_signal(signal.SIGINT)
