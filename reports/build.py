@@ -122,7 +122,7 @@ def _data_uri(path: Path) -> str:
 # ---- HTML ---------------------------------------------------------------------------------------
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1500px; color: #222; }
-table { border-collapse: collapse; margin: 1em 0; font-size: 13px; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 13px; display: block; max-width: 100%; overflow-x: auto; }
 th, td { border: 1px solid #ccc; padding: 3px 7px; text-align: left; }
 th { background: #f3f3f3; }
 td.yes, td.holds { background: #e3f4e3; } td.no, td.fails { background: #fbe4e4; } td.flip { font-weight: bold; }
