@@ -172,19 +172,25 @@ def layer_of(folder_name: str) -> int | None:
     return int(text) if folder_name.startswith("layer=") and re.fullmatch(r"0|[1-9][0-9]*", text) else None
 
 
+def link_on_the_way(file: str) -> str | None:
+    """The first symbolic link among a local partition file's model folder, layer folder and the file
+    itself (`file` as listed, not resolved), or None."""
+    layer_dir = os.path.dirname(file)
+    return next((part for part in (os.path.dirname(layer_dir), layer_dir, file) if os.path.islink(part)), None)
+
+
 def layout_error(path: UPath) -> str | None:
     """Why a file found under `<table>/model=*/layer=*/` is not a partition the layout wrote (None: it
     may be): a folder that is not the layout's spelling of a layer (a second spelling of a key would
     be read as the same layer twice; a backup's name breaks the views' key column), or, under a local
     root, a symbolic link on the way (its target can change without this root's manifests knowing)."""
-    layer_dir, model_dir = path.parent, path.parent.parent
+    layer_dir = path.parent
     if layer_of(layer_dir.name) is None:
         return (f"its folder {layer_dir.name!r} is not the layout's spelling of a layer (layer=<n>, no leading "
                 f"zero): a copy or a backup, not a partition")
-    if is_local(path):
-        for part in (model_dir, layer_dir, path):
-            if os.path.islink(part.path):
-                return f"{part.name} is a symbolic link, not a partition written under this root"
+    link = link_on_the_way(path.path) if is_local(path) else None
+    if link is not None:
+        return f"{os.path.basename(link)} is a symbolic link, not a partition written under this root"
     return None
 
 
@@ -258,13 +264,13 @@ def quarantine(root: str | Path, file: str | Path, relative: str | None = None) 
     stamp = time.strftime("%Y%m%dT%H%M%S")
     if is_local(as_root(root)):  # a symbolic link on the way moves itself: its target is not this root's to move
         # (as_root resolves links: the path as listed is what says where the link is)
-        top, listed = os.path.abspath(str(root)), os.path.abspath(str(file).removeprefix("file://"))
-        for part in (os.path.dirname(os.path.dirname(listed)), os.path.dirname(listed), listed):
-            if os.path.islink(part):
-                moved = Path(top) / QUARANTINE / stamp / os.path.relpath(part, top)
-                moved.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(part, moved)
-                return as_root(moved)
+        top = os.path.abspath(str(root))
+        link = link_on_the_way(os.path.abspath(str(file).removeprefix("file://")))
+        if link is not None:
+            moved = Path(top) / QUARANTINE / stamp / os.path.relpath(link, top)
+            moved.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(link, moved)
+            return as_root(moved)
     root, file = as_root(root), as_root(file)
     relative = relative or str(file).removeprefix(str(root)).lstrip("/")
     target = root / QUARANTINE / stamp / relative
@@ -297,15 +303,24 @@ def layer_runs(root: str | Path, model: str, layer: int, tables: tuple[str, ...]
     return runs
 
 
+def stored_layers(root: str | Path, tables: tuple[str, ...]) -> dict[tuple[str, int], set[str]]:
+    """The tables stored for each (model, layer), from the files under the layout's folders (another
+    spelling of a layer is listed as damaged by `scan`, not counted as the layer)."""
+    root = as_root(root)
+    stored: dict[tuple[str, int], set[str]] = {}
+    for table in tables:
+        for file in root.glob(f"{table}/model=*/layer=*/*.parquet"):
+            layer = layer_of(file.parent.name)
+            if layer is not None:
+                stored.setdefault((_key(file.parent.parent.name), layer), set()).add(table)
+    return stored
+
+
 def mixed_layers(root: str | Path, tables: tuple[str, ...]) -> list[tuple[str, int, dict[tuple[str, str], list[str]]]]:
     """(model, layer, tables per (config_id, code_version)) of every stored layer whose tables were
     written under more than one configuration or code version: not one run's results."""
-    root = as_root(root)
-    layers = sorted({(_key(f.parent.parent.name), layer) for table in tables
-                     for f in root.glob(f"{table}/model=*/layer=*/*.parquet")
-                     if (layer := layer_of(f.parent.name)) is not None})
     out = []
-    for model, layer in layers:
+    for model, layer in sorted(stored_layers(root, tables)):
         runs = layer_runs(root, model, layer, tables)
         if len(runs) > 1:
             out.append((model, layer, runs))
@@ -315,12 +330,6 @@ def mixed_layers(root: str | Path, tables: tuple[str, ...]) -> list[tuple[str, i
 def incomplete_layers(root: str | Path, tables: tuple[str, ...]) -> list[tuple[str, int, list[str]]]:
     """(model, layer, missing tables) of every layer with some of its tables stored but not all
     (a deleted partition, or a run that stopped between stages)."""
-    root = as_root(root)
-    stored: dict[tuple[str, int], set[str]] = {}
-    for table in tables:
-        for file in root.glob(f"{table}/model=*/layer=*/*.parquet"):
-            layer = layer_of(file.parent.name)
-            if layer is not None:  # another spelling is listed as damaged, not counted as the layer
-                stored.setdefault((_key(file.parent.parent.name), layer), set()).add(table)
+    stored = stored_layers(root, tables)
     return [(model, layer, [t for t in tables if t not in have])
             for (model, layer), have in sorted(stored.items()) if len(have) < len(tables)]
