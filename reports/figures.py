@@ -28,6 +28,8 @@ LAYER_PANELS = (
     (None, "projection on the top-16 tokenwise directions", "mean energy share", False),
     ("kl_mean", "output perturbation (r removed)", "mean KL(p || p_patched), nats", True),
     ("spearman_relerr_kl", "error vs perturbation", "Spearman(relative error, KL)", False),
+    ("kl_ratio_random", "r's direction vs a random one (dashed: the null, 1)",
+     "median KL(remove r) / KL(random, same norm)", True),
     ("effective_rank", "effective rank (solid Δ_full, dashed Δ_tok, dotted r)", "exp(entropy of σ² shares)", False),
 )
 
@@ -52,7 +54,7 @@ def layer_curves(summary: pl.DataFrame, ranks: pl.DataFrame, title: str, bands: 
     """Per-layer curves, one line per function class, with the 95% band over the resamples where
     `bands` (the `layer_bands` rows of the same model and config) has the statistic. `summary` is
     layer_summary rows of one (model, config); `ranks` has (layer, fn_class, which, effective_rank)."""
-    fig, axes = plt.subplots(2, 4, figsize=(17, 7.5), constrained_layout=True)
+    fig, axes = plt.subplots(3, 3, figsize=(15, 11), constrained_layout=True)
     classes = summary["fn_class"].unique(maintain_order=True).to_list()
     bands = pl.DataFrame() if bands is None else bands
     for ax, (column, panel_title, ylabel, log) in zip(axes.flat, LAYER_PANELS):
@@ -82,6 +84,8 @@ def layer_curves(summary: pl.DataFrame, ranks: pl.DataFrame, title: str, bands: 
                     ax.plot(layer, rows[null].cast(pl.Float64).to_numpy(), "x--", ms=3, lw=0.8, color=colour,
                             alpha=0.7, label=f"{fn_class}: null")
                     band(ax, mine, null, colour)
+        if column == "kl_ratio_random":
+            ax.axhline(1.0, ls="--", lw=0.8, color="gray")
         if log:
             ax.set_yscale("log")
         ax.set_title(panel_title, fontsize=10)
@@ -158,9 +162,12 @@ def energy_curves(spectra: pl.DataFrame, layers: list[int], title: str) -> Figur
 
 
 def controls(summary: pl.DataFrame, title: str) -> Figure:
-    """Mean KL per layer: the residual removed vs the random-direction and cruder-class controls.
-    `summary` has (layer, fn_class, kl_mean, kl_mean_random_control, kl_mean_crude_control)."""
-    fig, ax = plt.subplots(figsize=(8, 3.8), constrained_layout=True)
+    """Left: mean KL per layer, the residual removed vs the random-direction and cruder-class controls.
+    Right: on the tokens whose later effect was measured, the KL at the patched position against the KL
+    summed over the positions after it, and their Spearman correlation (right axis). `summary` has
+    (layer, fn_class, kl_mean, kl_mean_random_control, kl_mean_crude_control, kl_at_mean_on_later,
+    kl_later_mean, spearman_kl_later)."""
+    fig, (ax, later_ax) = plt.subplots(1, 2, figsize=(14, 3.8), constrained_layout=True)
     for fn_class in summary["fn_class"].unique(maintain_order=True).to_list():
         rows = summary.filter(pl.col("fn_class") == fn_class).sort("layer")
         ax.plot(rows["layer"].to_numpy(), rows["kl_mean"].to_numpy(), "o-", ms=3, color=_colour(fn_class),
@@ -177,6 +184,26 @@ def controls(summary: pl.DataFrame, title: str) -> Figure:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=10)
+    later = (summary.filter(pl.col("kl_later_mean").is_not_null()).sort("layer")
+             if "kl_later_mean" in summary.columns else pl.DataFrame())
+    if len(later):
+        layer = later["layer"].to_numpy()
+        later_ax.plot(layer, later["kl_at_mean_on_later"].to_numpy(), "o-", ms=3, color="tab:red",
+                      label="KL at the patched position")
+        later_ax.plot(layer, later["kl_later_mean"].to_numpy(), "s--", ms=3, color="tab:purple",
+                      label="KL summed over the later positions")
+        later_ax.set_yscale("log")
+        rho_ax = later_ax.twinx()
+        rho_ax.plot(layer, later["spearman_kl_later"].to_numpy(), "x:", ms=4, color="gray",
+                    label="Spearman of the two (right axis)")
+        rho_ax.set_ylim(-1, 1)
+        rho_ax.set_ylabel("Spearman", fontsize=8)
+        handles = later_ax.get_legend_handles_labels()[0] + rho_ax.get_legend_handles_labels()[0]
+        later_ax.legend(handles, [str(h.get_label()) for h in handles], fontsize=8)
+    later_ax.set_xlabel("layer")
+    later_ax.set_ylabel("mean KL over the measured tokens, nats", fontsize=8)
+    later_ax.grid(alpha=0.3)
+    later_ax.set_title("one position's r removed: its own next token and the rest of the sequence", fontsize=10)
     return fig
 
 
@@ -210,6 +237,8 @@ def comparison_curves(summary: pl.DataFrame, title: str, bands: pl.DataFrame | N
                     color=cmap(i % 10), label=f"{model} ({rows['fn_class'][0]})")
             mine = bands.filter(pl.col("model") == model).with_columns(layer=pl.col("depth")) if not bands.is_empty() else bands
             band(ax, mine, column, cmap(i % 10))
+        if column == "kl_ratio_random":
+            ax.axhline(1.0, ls="--", lw=0.8, color="gray")
         if log:
             ax.set_yscale("log")
         ax.set_title(panel_title, fontsize=10)

@@ -90,14 +90,19 @@ SELECT model, layer, fn_class, config_id,
        max(CASE WHEN variant = 'random' THEN kl_mean END) AS kl_mean_random_control,
        max(CASE WHEN variant = 'crude' THEN kl_mean END) AS kl_mean_crude_control,
        max(CASE WHEN variant = 'random' THEN spearman_relerr_kl END) AS spearman_relerr_kl_null,
-       max(CASE WHEN variant = 'random' THEN spearman_normres_kl END) AS spearman_normres_kl_null
+       max(CASE WHEN variant = 'random' THEN spearman_normres_kl END) AS spearman_normres_kl_null,
+       max(CASE WHEN variant = 'patch' THEN kl_ratio_random END) AS kl_ratio_random,
+       max(CASE WHEN variant = 'patch' AND n_later > 0 THEN kl_later_mean END) AS kl_later_mean,
+       max(CASE WHEN variant = 'patch' AND n_later > 0 THEN kl_at_mean_on_later END) AS kl_at_mean_on_later,
+       max(CASE WHEN variant = 'patch' AND n_later > 0 THEN spearman_kl_later END) AS spearman_kl_later
 FROM {functional_summary}
 GROUP BY model, layer, fn_class, config_id
 """
 
 FUNCTIONAL_COLUMNS = ("kl_mean", "kl_median", "spearman_relerr_kl", "spearman_normres_kl",
                       "kl_mean_random_control", "kl_mean_crude_control", "spearman_relerr_kl_null",
-                      "spearman_normres_kl_null")
+                      "spearman_normres_kl_null", "kl_ratio_random", "kl_later_mean", "kl_at_mean_on_later",
+                      "spearman_kl_later")
 
 # Findings measured under another convention of docs/method.md than the main one:
 # (finding id, the finding it re-measures, the convention, its setting here, the main setting).
@@ -134,7 +139,7 @@ LAYER_REPLICATES_SQL = """
 CREATE OR REPLACE VIEW {name} AS
 SELECT g.model, g.config_id, g.fn_class, g.layer, g.replicate, g.model_layers,
        {geometry_columns}, f.spearman_relerr_kl, f.spearman_normres_kl,
-       f.spearman_relerr_kl_null, f.spearman_normres_kl_null,
+       f.spearman_relerr_kl_null, f.spearman_normres_kl_null, f.kl_ratio_random,
        g.rank_full, g.rank_tok, g.rank_res, g.rank_full_null, g.rank_res_null
 FROM {geometry_bootstrap} g LEFT JOIN {functional_bootstrap} f USING (model, layer, config_id, fn_class, replicate)
 """
@@ -150,7 +155,7 @@ ORDER BY model, config_id, layer, fn_class
 """
 
 BAND_STATISTICS: tuple[str, ...] = (*GEOMETRY_STATISTICS, "spearman_relerr_kl", "spearman_normres_kl",
-                                    "spearman_relerr_kl_null", "spearman_normres_kl_null",
+                                    "spearman_relerr_kl_null", "spearman_normres_kl_null", "kl_ratio_random",
                                     "rank_full", "rank_tok", "rank_res", "rank_full_null", "rank_res_null")
 
 # A table, not a view: every finding on every resample is computed once, when the catalog is refreshed

@@ -19,6 +19,8 @@ from updatelens.bootstrap import (
     ResampledGrams,
     effective_ranks_of,
     geometry_replicates,
+    median_ratio,
+    paired_ratio,
     row_weights,
     sequence_counts,
     weighted_spearman,
@@ -43,6 +45,7 @@ from updatelens.neighbours import knn
 from updatelens.perturbation import (
     OriginalOutput,
     Variant,
+    later_position_kl,
     original_output,
     patched_kl,
     single_position_kl,
@@ -505,7 +508,22 @@ def single_positions(kept: np.ndarray, per_seq: int, seed: int) -> np.ndarray:
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
-# per variant: fn_class, variant, seq, pos, kl (clamped at 0), kl_raw (before the clamp), rel_err, norm_res
+def later_positions(measured: np.ndarray, per_seq: int, seed: int, seq_offset: int = 0) -> np.ndarray:
+    """(sequence, position) pairs [P, 2] whose effect on the later positions is measured: `per_seq`
+    measured positions of each sequence that have a position after them, drawn from the seed and the
+    sequence's number in the sample (so a block of sequences draws what the whole sample would)."""
+    out: list[tuple[int, int]] = []
+    for s in range(measured.shape[0]):
+        candidates = np.flatnonzero(measured[s, :-1])
+        rng = np.random.default_rng([seed, 7920, seq_offset + s])
+        chosen = rng.choice(candidates, size=min(per_seq, len(candidates)), replace=False)
+        out.extend((s, int(p)) for p in np.sort(chosen))
+    return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+
+
+# per variant: fn_class, variant, seq, pos, kl (clamped at 0), kl_raw (before the clamp), rel_err, norm_res,
+# kl_later (the summed KL after the position, on the `later_positions` subsample of the main patch of the
+# primary class; NaN elsewhere)
 FunctionalRows = list[dict[str, np.ndarray | str]]
 
 
@@ -537,14 +555,23 @@ def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit],
     key_all = data.seq.astype(np.int64) * data.kept.shape[1] + data.pos
     key_measured = (seq_idx + data.seq_offset).astype(np.int64) * data.kept.shape[1] + pos_idx
     rows_in_kept = np.searchsorted(key_all, key_measured)
+    later = np.full(measured.shape, np.nan)
+    if cfg.later_positions:
+        main = next(v for v in variants if v.name == "patch" and v.fn_class == cfg.primary_class)
+        chosen = later_positions(measured, cfg.later_positions, cfg.seed, data.seq_offset)
+        _, total = later_position_kl(lm, data.input_ids, data.layer, main.state, data.y_full, chosen, orig,
+                                     cfg.patch_batch, returns_tuple)
+        later[chosen[:, 0], chosen[:, 1]] = total
     out: FunctionalRows = []
     for variant, kl_grid in zip(variants, kls):
         fit = fits[variant.fn_class]
         err = token_metrics(data.x[rows_in_kept], data.y[rows_in_kept], fit.tx[rows_in_kept])
         raw = kl_grid[seq_idx, pos_idx]
+        main_patch = variant.name == "patch" and variant.fn_class == cfg.primary_class
         out.append({"fn_class": variant.fn_class, "variant": variant.name, "patch_mode": mode,
                     "seq": (seq_idx + data.seq_offset).astype(np.int32), "pos": pos_idx.astype(np.int32),
-                    "kl": np.maximum(raw, 0.0), "kl_raw": raw, "rel_err": err["rel_err"], "norm_res": err["norm_res"]})
+                    "kl": np.maximum(raw, 0.0), "kl_raw": raw, "rel_err": err["rel_err"], "norm_res": err["norm_res"],
+                    "kl_later": later[seq_idx, pos_idx] if main_patch else np.full(len(seq_idx), np.nan)})
     return out
 
 
@@ -555,11 +582,13 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
     for row in rows:
         merged.setdefault((str(row["fn_class"]), str(row["variant"])), []).append(row)
     token_parts, summary_parts = [], []
+    columns = {key: {k: np.concatenate([p[k] for p in parts])
+                     for k in ("seq", "pos", "kl", "kl_raw", "rel_err", "norm_res", "kl_later")} for key, parts in merged.items()}
     for (fn_class, name), parts in merged.items():
         mode = str(parts[0].get("patch_mode", cfg.patch_mode))  # as measured ("auto" resolved per model)
-        col = {key: np.concatenate([p[key] for p in parts])
-               for key in ("seq", "pos", "kl", "kl_raw", "rel_err", "norm_res")}
+        col = columns[(fn_class, name)]
         kl = col["kl"]
+        ratio = _ratio_to_random(columns, fn_class) if name == "patch" else None
         n = len(kl)
         token_parts.append(with_provenance({
             "fn_class": pa.array([fn_class] * n),
@@ -570,9 +599,12 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
             "kl": pa.array(kl),
             "rel_err": pa.array(col["rel_err"]),
             "norm_res": pa.array(col["norm_res"]),
+            "kl_later": pa.array(col["kl_later"], from_pandas=True),  # null where not measured
         }, prov, layer))
         s_rel = spearman(col["rel_err"], kl)
         s_abs = spearman(col["norm_res"], kl)
+        on_later = np.isfinite(col["kl_later"])
+        s_later = spearman(kl, col["kl_later"])
         summary_parts.append(with_provenance({
             "fn_class": pa.array([fn_class]),
             "variant": pa.array([name]),
@@ -587,8 +619,28 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
             "spearman_relerr_kl_p": pa.array([s_rel.p_value]),
             "spearman_normres_kl": pa.array([s_abs.rho]),
             "spearman_normres_kl_p": pa.array([s_abs.p_value]),
+            # null where not measured: the ratio on the random control's class, the later effect on the
+            # main patch of the primary class
+            "kl_ratio_random": pa.array([float(median_ratio(ratio, np.ones((1, len(ratio))))[0])
+                                         if ratio is not None else None], pa.float64()),
+            "n_later": pa.array([int(on_later.sum())], pa.int32()),
+            "kl_later_mean": pa.array([float(np.mean(col["kl_later"][on_later])) if on_later.any() else None],
+                                      pa.float64()),
+            "kl_at_mean_on_later": pa.array([float(np.mean(kl[on_later])) if on_later.any() else None], pa.float64()),
+            "spearman_kl_later": pa.array([s_later.rho if np.isfinite(s_later.rho) else None], pa.float64()),
         }, prov, layer))
     return pa.concat_tables(token_parts), pa.concat_tables(summary_parts)
+
+
+def _ratio_to_random(columns: dict[tuple[str, str], dict[str, np.ndarray]], fn_class: str) -> np.ndarray | None:
+    """Per token, KL(remove r) / KL(the random perturbation of the same norm) for the class the random
+    control was made for (None for the others): both measured at the same positions, in the same order."""
+    patch, random = columns[(fn_class, "patch")], columns.get((fn_class, "random"))
+    if random is None:
+        return None
+    if not (np.array_equal(patch["seq"], random["seq"]) and np.array_equal(patch["pos"], random["pos"])):
+        raise ValueError("the random control was measured at other positions than the patch: no paired ratio")
+    return paired_ratio(patch["kl"], random["kl"])
 
 
 def _replicate_spearman(part: pa.Table, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -613,8 +665,19 @@ def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenan
     patch = fm.filter(pc.equal(fm["variant"], "patch"))
     random = fm.filter(pc.equal(fm["variant"], "random"))
     for fn_class in dict.fromkeys(patch["fn_class"].to_pylist()):
-        rho_rel, rho_norm = _replicate_spearman(patch.filter(pc.equal(patch["fn_class"], fn_class)), counts)
-        null_rel, null_norm = _replicate_spearman(random.filter(pc.equal(random["fn_class"], fn_class)), counts)
+        own, own_random = (part.filter(pc.equal(part["fn_class"], fn_class)).sort_by([("seq", "ascending"),
+                                                                                      ("pos", "ascending")])
+                           for part in (patch, random))
+        rho_rel, rho_norm = _replicate_spearman(own, counts)
+        null_rel, null_norm = _replicate_spearman(own_random, counts)
+        ratio = np.full(len(counts), np.nan)
+        if len(own_random):
+            per_token = _ratio_to_random({(fn_class, name): {k: part[k].to_numpy() for k in ("seq", "pos", "kl")}
+                                          for name, part in (("patch", own), ("random", own_random))}, fn_class)
+            assert per_token is not None
+            seq = own["seq"].to_numpy()
+            for start, w in row_weights(counts, seq):
+                ratio[start : start + len(w)] = median_ratio(per_token, w)
         parts.append(with_provenance({
             "fn_class": pa.array([fn_class] * cfg.bootstrap),
             "replicate": pa.array(np.arange(cfg.bootstrap), pa.int32()),
@@ -622,6 +685,7 @@ def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenan
             "spearman_normres_kl": pa.array(rho_norm, pa.float64(), from_pandas=True),
             "spearman_relerr_kl_null": pa.array(null_rel, pa.float64(), from_pandas=True),
             "spearman_normres_kl_null": pa.array(null_norm, pa.float64(), from_pandas=True),
+            "kl_ratio_random": pa.array(ratio, pa.float64(), from_pandas=True),
         }, prov, layer))
     return pa.concat_tables(parts)
 

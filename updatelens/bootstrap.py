@@ -61,6 +61,23 @@ def weighted_mean(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return (weights @ values) / weights.sum(axis=1)
 
 
+def paired_ratio(kl_patch: np.ndarray, kl_random: np.ndarray) -> np.ndarray:
+    """Per token, KL(remove r) / KL(random perturbation of the same norm) at the same position: NaN where
+    the random perturbation moved nothing (its KL is 0 after the clamp) or either is not finite."""
+    ok = np.isfinite(kl_patch) & np.isfinite(kl_random) & (kl_random > 0)
+    return np.divide(kl_patch, kl_random, out=np.full(len(kl_patch), np.nan), where=ok)
+
+
+def median_ratio(ratio: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The median over tokens of `paired_ratio` on each weighted sample [b] (weights [b, n]), over its
+    finite entries (NaN when none): the per-layer statistic `kl_ratio_random`. The point estimate is
+    this with every weight 1."""
+    ok = np.isfinite(ratio)
+    if not ok.any():
+        return np.full(len(weights), np.nan)
+    return weighted_median(ratio[ok], weights[:, ok])
+
+
 def _weighted_ranks(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Average ranks (1-based) of each row in each weighted sample, ties shared: [b, n]."""
     uniq, inverse = np.unique(values, return_inverse=True)

@@ -94,6 +94,10 @@ class AnalysisConfig:
     # functional metrics
     patch_mode: str = "auto"
     single_positions: int = 4  # positions per sequence in "single" patch mode
+    # positions per sequence whose total effect on the later positions is measured: the sum over the
+    # positions after t of the KL when t alone has r removed, one patched pass each (0: none). 2 per
+    # sequence keeps the stage within the default job's time budget (bench/controls_cost.py measures it)
+    later_positions: int = 2
     controls: tuple[str, ...] = ("random", "crude")
     control_class: str = ""  # class whose residual the controls use; "" = the last class listed
     crude_class: str = "diagonal"
@@ -206,6 +210,8 @@ class AnalysisConfig:
                     f"{self.classes}; add it or drop 'crude' from controls")
         if self.control_class and self.control_class not in self.classes:
             bad(f"control_class={self.control_class!r} is not among classes {self.classes}")
+        if self.later_positions < 0:
+            bad(f"later_positions must be >= 0, got {self.later_positions}")
         if min(self.patch_batch, self.capture_batch, self.anchor_chunk, self.kl_block, self.kl_budget_mb) < 1:
             bad("patch_batch, capture_batch, anchor_chunk, kl_block and kl_budget_mb must be >= 1")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -31,7 +31,7 @@ STATISTICS: tuple[str, ...] = ("rel_err_median", "cos_full_tok_median", "cos_ful
                                "spearman_relerr_kl", "spearman_normres_kl",
                                "cos_full_tok_median_null", "cos_full_tok_map_median_null", "frac_res_angle_gt60_null",
                                "frac_res_tok_angle_gt60_null", "proj_res_m16_null", "spearman_relerr_kl_null",
-                               "spearman_normres_kl_null")
+                               "spearman_normres_kl_null", "kl_ratio_random")
 
 # The per-layer geometry statistics of the findings, as `layer_summary` defines them: (statistic,
 # per-token column, how it aggregates). The `_null` ones are the same measures on the random-direction
@@ -132,7 +132,7 @@ FINDINGS: tuple[Finding, ...] = (
             "greatest(avg(rank_full_null), avg(rank_tok)) / avg(rank_res_null)",
             f"the same ratio with r replaced by ‖r‖u, an isotropic residual of the same energy ({RANDOM_DIRECTION})"),
     Finding("4", "approximation error predicts output perturbation",
-            "median over layers of Spearman(relative error, KL)", "median(spearman_relerr_kl)", ">=", 0.7,
+            "median over layers of Spearman(relative error, KL at the patched position)", "median(spearman_relerr_kl)", ">=", 0.7,
             "the paper: 'Spearman often above 0.7'",
             "median(spearman_relerr_kl_null)",
             "Spearman(relative error, KL) of the random control: the output moved as far as T(x) moves it, in a "
@@ -141,6 +141,16 @@ FINDINGS: tuple[Finding, ...] = (
             "median over layers of Spearman(||r||, KL)", "median(spearman_normres_kl)", ">=", 0.7,
             "as finding 4, with the error measured as ||r||",
             "median(spearman_normres_kl_null)", "as finding 4's null, with the error measured as ||r||",
+            control_role="none"),
+    Finding("4 direction", "approximation error predicts output perturbation",
+            "median over layers of the median over tokens of the paired ratio KL(remove r) / KL(move the state "
+            "as far in a random direction), both at the patched position: how much more the residual's direction "
+            "moves the output than its size alone", "median(kl_ratio_random)", ">=", 1.0,
+            "the method's random-direction control: the error predicts the output through the residual's "
+            "direction, not only its size, when removing r moves the output more than a random move of the same "
+            "length; any ratio above 1",
+            "1.0", "the ratio of the random control to itself: a residual whose direction carries nothing moves "
+                   "the output as a random direction of its length does",
             control_role="none"),
     Finding("5", "a diagonal map serves about as well as a low-rank one",
             "median relative error of diagonal minus that of lowrank",

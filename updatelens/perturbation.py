@@ -352,6 +352,30 @@ def single_position_kl(lm: LoadedModel, input_ids: np.ndarray, layer: int, varia
     return out
 
 
+def later_position_kl(lm: LoadedModel, input_ids: np.ndarray, layer: int, patched: np.ndarray,
+                      y_state: np.ndarray, positions: np.ndarray, orig: OriginalOutput,
+                      batch: int, returns_tuple: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """For each (sequence s, position p) of `positions` [P, 2], block l's output with only position p
+    replaced by `patched[s, p]`: (KL at p [P], the sum of the KL over the positions after p [P]). The
+    first is the single-position effect (as `single_position_kl`); the second is what removing r at p
+    does to the rest of the sequence through attention, which the per-position KL does not see."""
+    at, later = np.full(len(positions), np.nan), np.full(len(positions), np.nan)
+    with torch.inference_mode():
+        for start in range(0, len(positions), batch):
+            chunk = positions[start : start + batch]
+            seqs = [int(s) for s, _ in chunk]
+            states = np.stack([y_state[s] for s in seqs]).copy()
+            for i, (s, p) in enumerate(chunk):
+                states[i, p] = patched[s, p]
+            ids = torch.as_tensor(input_ids[seqs], device=lm.device)
+            result = patched_outputs(lm, ids, layer, torch.as_tensor(states, device=lm.device), orig, returns_tuple)
+            kl = orig.kl(seqs, result).cpu().numpy()  # [b, T]
+            for i, (_, p) in enumerate(chunk):
+                at[start + i] = kl[i, p]
+                later[start + i] = float(np.maximum(kl[i, p + 1 :], 0.0).sum())
+    return at, later
+
+
 @dataclass
 class SpearmanResult:
     rho: float

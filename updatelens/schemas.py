@@ -148,8 +148,13 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                                              "perturbation), crude (a cruder class), identity"),
                 _c("patch_mode", STR, "exact: every position's single-position effect in one pass; "
                                       "single: one position patched per pass; all: every position at once"),
-                SEQ, POS, _c("kl", F64, "KL(original || patched) of the next-token distribution, in nats (>= 0)"),
-                _c("rel_err", F64, "the patched state's relative error"), _c("norm_res", F64, "the patched state's ||r||")]
+                SEQ, POS, _c("kl", F64, "KL(original || patched) of the next-token distribution at the token's "
+                                         "own position, in nats (>= 0); exact and single: only that position patched "
+                                         "(its own effect, not that on later positions)"),
+                _c("rel_err", F64, "the patched state's relative error"), _c("norm_res", F64, "the patched state's ||r||"),
+                _c("kl_later", F64, "the KL summed over the positions after this one when only this position has "
+                                    "r removed (its effect on the rest of the sequence), on `later_positions` "
+                                    "tokens per sequence of the main patch of the primary class; NaN elsewhere")]
     elif table == "functional_summary":
         body = [FN_CLASS, _c("variant", STR, "the patch (see functional_metrics)"),
                 _c("patch_mode", STR, "exact, single or all"), _c("n_tokens", I32, "tokens patched"),
@@ -158,13 +163,22 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                 _c("spearman_relerr_kl", F64, "Spearman correlation of rel_err and KL over tokens"),
                 _c("spearman_relerr_kl_p", F64, "its p-value (tokens taken as independent: see the bootstrap)"),
                 _c("spearman_normres_kl", F64, "Spearman correlation of ||r|| and KL over tokens"),
-                _c("spearman_normres_kl_p", F64, "its p-value")]
+                _c("spearman_normres_kl_p", F64, "its p-value"),
+                _c("kl_ratio_random", F64, "median over tokens of KL(remove r) / KL(random perturbation of the "
+                                           "same norm) at the same position (the patch of the random control's "
+                                           "class; NaN for other rows)"),
+                _c("n_later", I32, "tokens whose effect on the later positions was measured"),
+                _c("kl_later_mean", F64, "mean over them of the KL summed over the later positions"),
+                _c("kl_at_mean_on_later", F64, "mean over the same tokens of the KL at the patched position"),
+                _c("spearman_kl_later", F64, "Spearman correlation over them of the KL at the patched position "
+                                             "and the summed KL after it")]
     elif table == "functional_bootstrap":
         body = [FN_CLASS, REPLICATE,
                 _c("spearman_relerr_kl", F64, "Spearman(rel_err, KL) on the resample"),
                 _c("spearman_normres_kl", F64, "Spearman(||r||, KL) on the resample"),
                 _c("spearman_relerr_kl_null", F64, "Spearman(rel_err, KL of the same-size random patch) on the resample"),
-                _c("spearman_normres_kl_null", F64, "Spearman(||r||, KL of the same-size random patch) on the resample")]
+                _c("spearman_normres_kl_null", F64, "Spearman(||r||, KL of the same-size random patch) on the resample"),
+                _c("kl_ratio_random", F64, "median paired ratio KL(remove r) / KL(random, same norm) on the resample")]
     elif table == "calibration":
         body = [_c("n_tokens", I32, "kept tokens of the sample size (the first n_seq windows)"),
                 _c("n_seq", I32, "windows of the sample size"), FN_CLASS,

@@ -41,6 +41,7 @@ def fixture(root: Path, config_id: str = "c1", seed: int = 0, n_seq: int = 4) ->
             values[f"{name}/{fn_class}"] = rng.uniform(0, 90, shape) if "angle" in name else rng.uniform(0, 1, shape)
         values[f"rho_null/{fn_class}"] = rng.uniform(-0.2, 0.9, LAYERS)
         values[f"rho_norm_null/{fn_class}"] = rng.uniform(-0.2, 0.9, LAYERS)
+        values[f"ratio/{fn_class}"] = rng.uniform(0.5, 3.0, LAYERS)
     for layer in range(LAYERS):
         geo, fs, spec = [], [], []
         for fn_class in CLASSES:
@@ -60,6 +61,9 @@ def fixture(root: Path, config_id: str = "c1", seed: int = 0, n_seq: int = 4) ->
                 "variant": ["patch", "random"], "kl_mean": [0.1, 0.1], "kl_median": [0.1, 0.1],
                 "spearman_relerr_kl": [values[f"rho/{fn_class}"][layer], values[f"rho_null/{fn_class}"][layer]],
                 "spearman_normres_kl": [values[f"rho_norm/{fn_class}"][layer], values[f"rho_norm_null/{fn_class}"][layer]],
+                "kl_ratio_random": [values[f"ratio/{fn_class}"][layer], None],
+                "n_later": pa.array([2, 0], pa.int32()), "kl_later_mean": [0.3, None],
+                "kl_at_mean_on_later": [0.1, None], "spearman_kl_later": [0.5, None],
                 **{k: [v] * 2 for k, v in prov.items()}}))
             whiches = [w for w in ("tok", "full", "res", "full_null", "res_null") for _ in range(2)]
             spec.append(pa.table({
@@ -90,6 +94,7 @@ def hand_nulls(v: dict[str, np.ndarray], fn_class: str) -> dict[str, float]:
         / v[f"rank_res_null/{fn_class}"].mean(),
         "4": np.median(v[f"rho_null/{fn_class}"]),
         "4 norm": np.median(v[f"rho_norm_null/{fn_class}"]),
+        "4 direction": 1.0,
         "5": 1.0 - lowrank,
     }
 
@@ -106,6 +111,7 @@ def hand_findings(v: dict[str, np.ndarray], fn_class: str) -> dict[str, float]:
         "3": max(v[f"rank_full/{fn_class}"].mean(), v[f"rank_tok/{fn_class}"].mean()) / v[f"rank_res/{fn_class}"].mean(),
         "4": np.median(v[f"rho/{fn_class}"]),
         "4 norm": np.median(v[f"rho_norm/{fn_class}"]),
+        "4 direction": np.median(v[f"ratio/{fn_class}"]),
         "5": err["diagonal"] - err["lowrank"],
         "6": np.mean(per_layer_median[fn_class][MIDDLE]) - np.mean(per_layer_median[fn_class][OUTER]),
         "6 inner": None,  # 6 layers: without the two first and two last, no outer layer is left
@@ -222,7 +228,7 @@ def replicate_fixture(root: Path, n_rep: int = 40, seed: int = 5, config_id: str
                                                                      "frac_res_angle_gt60", "frac_res_tok_angle_gt60",
                                                                      "proj_res_m16", "spearman_relerr_kl",
                                                                      "spearman_normres_kl")),
-                                ("rank_full_null", 5, 20), ("rank_res_null", 30, 60)):
+                                ("rank_full_null", 5, 20), ("rank_res_null", 30, 60), ("kl_ratio_random", 0.8, 2.0)):
             reps[f"{name}/{fn_class}"] = rng.uniform(low, high, (n_rep, LAYERS))
     for layer in range(LAYERS):
         geo, fun = [], []
@@ -235,7 +241,7 @@ def replicate_fixture(root: Path, n_rep: int = 40, seed: int = 5, config_id: str
                                      "rank_res_null")}}))
             fun.append(pa.table({**ids, **{name: reps[f"{name}/{fn_class}"][:, layer] for name in
                                            ("spearman_relerr_kl", "spearman_normres_kl", "spearman_relerr_kl_null",
-                                            "spearman_normres_kl_null")}}))
+                                            "spearman_normres_kl_null", "kl_ratio_random")}}))
         write_partition(root, "geometry_bootstrap", "m", layer, pa.concat_tables(geo))
         write_partition(root, "functional_bootstrap", "m", layer, pa.concat_tables(fun))
     return reps
@@ -252,12 +258,14 @@ def test_intervals_are_quantiles_of_the_findings_on_each_resample(tmp_path: Path
             "3": np.maximum(reps[f"rank_full/{fn_class}"].mean(axis=1), reps[f"rank_tok/{fn_class}"].mean(axis=1))
             / reps[f"rank_res/{fn_class}"].mean(axis=1),
             "4": np.median(reps[f"spearman_relerr_kl/{fn_class}"], axis=1),
+            "4 direction": np.median(reps[f"kl_ratio_random/{fn_class}"], axis=1),
             "5": np.median(reps["rel_err_median/diagonal"], axis=1) - np.median(reps["rel_err_median/lowrank"], axis=1),
             "6": reps[f"rel_err_median/{fn_class}"][:, MIDDLE].mean(axis=1)
             - reps[f"rel_err_median/{fn_class}"][:, OUTER].mean(axis=1),
         }
         null_rep = {"1": np.median(reps[f"cos_full_tok_median_null/{fn_class}"], axis=1),
                     "4": np.median(reps[f"spearman_relerr_kl_null/{fn_class}"], axis=1),
+                    "4 direction": np.ones(40),
                     "5": 1.0 - np.median(reps["rel_err_median/lowrank"], axis=1)}
         for finding, nulls in null_rep.items():
             row = rows[(fn_class, finding)]

@@ -4,10 +4,20 @@ equals a plain full forward with a hook that replaces block l's output."""
 from __future__ import annotations
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 import torch
 
-from updatelens.analysis import LayerData, build_variants, functional_tables, patched_pass_count, provenance
+from updatelens.analysis import (
+    LayerData,
+    build_variants,
+    functional_bootstrap_table,
+    functional_tables,
+    later_positions,
+    patched_pass_count,
+    provenance,
+)
+from updatelens.bootstrap import sequence_counts
 from updatelens.capture import block_output_is_tuple, capture, first_tensor, kept_mask
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample
@@ -16,6 +26,7 @@ from updatelens.perturbation import (
     LinearHead,
     Variant,
     kl_rows,
+    later_position_kl,
     original_output,
     patched_kl,
     single_position_kl,
@@ -116,6 +127,39 @@ def test_single_position_kl_equals_the_hooked_reference(tiny_models: dict, fast_
     assert np.isnan(got).sum() == got.size - len(positions)
 
 
+@pytest.mark.parametrize("fast_head", [True, False])
+def test_later_position_effects_equal_the_hooked_reference(tiny_models: dict, fast_head: bool) -> None:
+    """One position's r removed: the KL at it is its single-position effect, and the KL summed over the
+    positions after it is what a hooked full forward with only that position patched gives there."""
+    lm = tiny_models["tiny-llama"]
+    ids, cap = setup(lm)
+    layer, y = 1, cap.states[2]
+    orig = original_output(lm, ids, 2, fast_head=fast_head)
+    patched = y + 0.5 * np.random.default_rng(2).standard_normal(y.shape)
+    positions = np.array([[0, 3], [0, 7], [2, 1], [1, 8]])  # two in one sequence, in one batch
+    at, later = later_position_kl(lm, ids, layer, patched, y, positions, orig, batch=3)
+    single = single_position_kl(lm, ids, layer, [Variant("patch", "x", patched)], y, positions, orig, batch=2)[0]
+    base = plain_logp(lm, ids)
+    for i, (s, p) in enumerate(positions):
+        state = y.copy()
+        state[s, p] = patched[s, p]
+        ref = kl_rows(base[s], reference_logp(lm, ids, layer, state)[s]).clamp_min(0).numpy()
+        assert at[i] == pytest.approx(single[s, p], rel=1e-4, abs=1e-6)
+        assert later[i] == pytest.approx(float(ref[p + 1 :].sum()), rel=1e-4, abs=1e-6)
+        assert ref[:p].max() < 1e-5  # causal: the positions before it do not move
+    assert later.min() > 0
+
+
+def test_later_positions_are_drawn_per_sequence_whatever_the_block() -> None:
+    measured = np.ones((6, 10), bool)
+    measured[:, 0] = False
+    whole = later_positions(measured, 2, seed=0)
+    blocks = np.concatenate([later_positions(measured[lo : lo + 2], 2, 0, seq_offset=lo) + [lo, 0]
+                             for lo in (0, 2, 4)])
+    np.testing.assert_array_equal(whole, blocks)
+    assert len(whole) == 12 and whole[:, 1].min() >= 1 and whole[:, 1].max() <= 8  # a later position exists
+
+
 @pytest.mark.parametrize("slug", SLUGS)
 def test_identity_patch_gives_zero_kl_at_every_layer(tiny_models: dict, slug: str) -> None:
     lm = tiny_models[slug]
@@ -181,6 +225,25 @@ def test_functional_tables_cover_kept_tokens_and_controls(tiny_models: dict) -> 
     dist_patch = np.linalg.norm(fits["lowrank"].tx - data.y, axis=1)
     dist_random = np.linalg.norm(v["random"].state[kept] - data.y, axis=1)
     np.testing.assert_allclose(dist_random, dist_patch, rtol=1e-9)
+    # finding 4 direction: the median paired ratio KL(remove r) / KL(random of the same norm), token by token,
+    # on the random control's class only, and on each resample the median of the resample's tokens
+    rows = {name: fm.filter(pc.and_(pc.equal(fm["variant"], name), pc.equal(fm["fn_class"], "lowrank")))
+            for name in ("patch", "random")}
+    ratio = rows["patch"]["kl"].to_numpy() / rows["random"]["kl"].to_numpy()
+    assert by[("patch", "lowrank")]["kl_ratio_random"] == pytest.approx(float(np.median(ratio)), rel=1e-12)
+    assert by[("patch", "diagonal")]["kl_ratio_random"] is None and by[("random", "lowrank")]["kl_ratio_random"] is None
+    # the later effect: 2 tokens per sequence of the main patch of the primary class, NaN elsewhere
+    assert by[("patch", "lowrank")]["n_later"] == 2 * 4 and by[("patch", "diagonal")]["n_later"] == 0
+    later = rows["patch"]["kl_later"].to_numpy(zero_copy_only=False)
+    assert np.isfinite(later).sum() == 8 and (later[np.isfinite(later)] >= 0).all()
+    assert by[("patch", "lowrank")]["kl_later_mean"] == pytest.approx(float(np.nanmean(later)))
+    assert -1 <= by[("patch", "lowrank")]["spearman_kl_later"] <= 1
+    unit = functional_bootstrap_table(fm, cfg.replace(bootstrap=3), prov, layer, np.arange(4))
+    counts = np.asarray(sequence_counts(np.arange(4), 3, cfg.seed))
+    boot = unit.filter(pc.equal(unit["fn_class"], "lowrank"))["kl_ratio_random"].to_numpy()
+    seq = rows["patch"]["seq"].to_numpy()
+    for b in range(3):  # each resample is the median of the expanded sample
+        assert boot[b] == pytest.approx(float(np.median(np.repeat(ratio, counts[b][seq].astype(int)))), rel=1e-12)
 
 
 def test_single_position_mode_measures_only_the_patched_positions(tiny_models: dict) -> None:
