@@ -55,7 +55,7 @@ def run_calibration(model: str, lens: UpdateLensResource, tokens: Sequence[int],
     cfg = largest.config()
     lm = largest.load(model)
     sample = largest.sample(lm)
-    prov = Provenance.of(lm.slug, lm.revision, sample.corpus, sample.slice_desc, cfg, lm.n_layers)
+    prov = Provenance.of(lm.slug, lm.revision, sample.corpus, sample.slice_desc, cfg, lm.n_layers, lm.weights)
     sizes = [t // cfg.seq_len for t in tokens]
     tables = calibrate(lm, sample, cfg, prov, chosen, sizes, ks, n_anchors=n_anchors, log=log)
     store = largest.store

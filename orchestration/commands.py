@@ -211,6 +211,10 @@ def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterIn
           "structure; self_only and linear, the same measure when the truth is tokenwise by construction "
           "(positive controls); estimator-limited: the estimator cannot show the structure at this sample size")
     print_frame(lens.store.query(FINDINGS_SQL, [list(models)]))
+    weights = lens.store.query("SELECT DISTINCT model, weights FROM findings WHERE list_contains($1, model) "
+                               "ORDER BY model", [list(models)])
+    for row in weights.to_dicts():
+        print(f"{row['model']} ran with {row['weights']}")
     for model in models:
         print(f"report: {base / model / 'index.html'}")
     print(f"comparison across models: {base / COMPARISON / 'index.html'}")

@@ -250,7 +250,7 @@ def build_model_report(root: Path, model: str, config_id: str | None = None) -> 
             sensitivity = _frame(con, "SELECT * FROM sensitivity WHERE model = ?", [model])
             swept = _frame(con, "SELECT any_value(layers) AS layers FROM sweep_runs WHERE model = ?", [model])
             swept_layers = str(swept["layers"][0] or "")
-        prov = _frame(con, f"SELECT model_revision, corpus, corpus_slice, code_version, config_json FROM geometry "
+        prov = _frame(con, f"SELECT model_revision, weights, corpus, corpus_slice, code_version, config_json FROM geometry "
                            f"WHERE {where} LIMIT 1", params).to_dicts()[0]
         damaged = _frame(con, "SELECT table_name, layer, reason FROM damaged_partitions WHERE model = ? "
                               "ORDER BY layer, table_name", [model])
@@ -295,7 +295,8 @@ def build_model_report(root: Path, model: str, config_id: str | None = None) -> 
             _png(draw(), staging / f"{name}.png")
         sections = [
             "<h2>Provenance</h2>" + html_table(pl.DataFrame({
-                "model": [model], "revision": [prov["model_revision"]], "corpus": [prov["corpus"]],
+                "model": [model], "revision": [prov["model_revision"]], "weights": [prov["weights"]],
+                "corpus": [prov["corpus"]],
                 "corpus slice": [prov["corpus_slice"]], "config id": [config_id], "code version": [prov["code_version"]],
                 "layers": [f"{len(layers)} of {n_layers}"]})),
             "".join(f"<p><i>{html.escape(n)}</i></p>" for n in notes),
@@ -417,7 +418,7 @@ def build_comparison(root: Path) -> Report:
                                          [model, config_id, best]))
         shown = [f"{f['model'][0]}/{f['config_id'][0]}" for f in finding_parts]  # each model's main config
         across = _frame(con, "SELECT finding, model_a, model_b, value_a, value_b, diff, diff_ci_lo, diff_ci_hi, "
-                             "n_resamples, model_a || '/' || config_a AS key_a, model_b || '/' || config_b AS key_b "
+                             "n_resamples, resampling, model_a || '/' || config_a AS key_a, model_b || '/' || config_b AS key_b "
                              "FROM findings_across_models ORDER BY finding, model_a, model_b")
         across = across.filter(pl.col("key_a").is_in(shown) & pl.col("key_b").is_in(shown)).drop(["key_a", "key_b"])
     if not parts:
@@ -440,14 +441,17 @@ def build_comparison(root: Path) -> Report:
             "<code>SELECT * FROM findings</code>.</p>" + html_table(findings_pivot(findings), tuple(models)),
             "<h2>Figures</h2>" + "".join(_figure_section(name, caption, staging / f"{name}.png")
                                          for name, caption in COMPARISON_FIGURES.items()),
-            "<h2>Models</h2>" + html_table(findings.group_by("model", "config_id", "fn_class").agg().sort("model")),
+            "<h2>Models</h2><p>Each model's configuration, the class its findings are read on, and the weights it "
+            "ran with (a quantized file's type, dequantized).</p>"
+            + html_table(findings.group_by("model", "config_id", "fn_class", "weights").agg().sort("model")),
         ]
         if not across.is_empty():
             sections.insert(1, "<h2>Model against model</h2><p>Each finding of one model minus the other's, with the "
-                               "95% interval of the difference (resample b of one model against resample b of the "
-                               "other). The paper's size claims read here: finding 4's Spearman higher in the larger "
-                               "model (diff &gt; 0 with the larger as model_a), finding 5's gap smaller in the smaller "
-                               "one. SQL: <code>SELECT * FROM findings_across_models</code>.</p>"
+                               "95% interval of the difference: resample by resample where both models sampled the "
+                               "same documents (a paired bootstrap), from independent draws where they did not "
+                               "(column resampling). The paper's size claims read here: finding 4's Spearman higher "
+                               "in the larger model (diff &gt; 0 with the larger as model_a), finding 5's gap "
+                               "smaller in the smaller one. SQL: <code>SELECT * FROM findings_across_models</code>.</p>"
                                + html_table(across, ()))
         (staging / "index.html").write_text(_page(title, sections), encoding="utf-8")
 

@@ -55,6 +55,7 @@ CATALOG_FILE = "updatelens.duckdb"
 LAYER_SUMMARY_GEOMETRY = """
 SELECT model, layer, fn_class, config_id,
        any_value(model_revision) AS model_revision,
+       any_value(weights) AS weights,
        any_value(corpus_slice) AS corpus_slice,
        any_value(k) AS k, any_value(rank) AS rank, any_value(dtype) AS dtype,
        any_value(code_version) AS code_version,
@@ -300,7 +301,9 @@ WITH best AS (
           GROUP BY model, config_id, fn_class)
     GROUP BY model, config_id
 )
-SELECT f.* FROM {by_class} f JOIN best USING (model, config_id, fn_class)
+SELECT f.*, w.weights FROM {by_class} f JOIN best USING (model, config_id, fn_class)
+LEFT JOIN (SELECT model, config_id, any_value(weights) AS weights FROM {layer_summary} GROUP BY model, config_id) w
+     USING (model, config_id)
 ORDER BY model, config_id, finding
 """
 

@@ -57,7 +57,7 @@ from updatelens.tables import Provenance, to_matrix, vector_column, with_provena
 
 
 def provenance(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig) -> Provenance:
-    return Provenance.of(lm.slug, lm.revision, sample.corpus, sample.slice_desc, cfg, lm.n_layers)
+    return Provenance.of(lm.slug, lm.revision, sample.corpus, sample.slice_desc, cfg, lm.n_layers, lm.weights)
 
 
 # ---- stage 1: activations -----------------------------------------------------------------------

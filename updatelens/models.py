@@ -11,6 +11,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,9 @@ class LoadedModel:
     allows_padding: bool
     hidden_states_offset: int = 0
     self_attention: bool = False  # the adapter's: the self-only block control exists
+    # the weights the model ran with: a GGUF's quantization (and its tensors' types) dequantized to the
+    # run's dtype, or the checkpoint's dtype and the run's (`weights_of`); recorded on every row
+    weights: str = "unknown"
 
     @property
     def device(self) -> torch.device:
@@ -181,7 +185,7 @@ def convert_embedded(entry: ModelEntry) -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _check_gguf(gguf)
+    weights = _check_gguf(gguf)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.slug}-", dir=target.parent))
     try:
@@ -193,6 +197,7 @@ def convert_embedded(entry: ModelEntry) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "SOURCE").write_text(f"{gguf.name} size={gguf.stat().st_size}\n")
+        (tmp / WEIGHTS_FILE).write_text(weights + "\n")
         try:
             tmp.rename(target)
         except OSError:  # another process converted it first
@@ -203,7 +208,9 @@ def convert_embedded(entry: ModelEntry) -> Path:
     return target
 
 
-def _check_gguf(path: Path) -> None:
+def _check_gguf(path: Path) -> str:
+    """Refuse a file that is not a whole GGUF; return its quantization as `weights_of` records it: the
+    file type and how many tensors of each type (a Q4_K_M file mixes Q4_K, Q6_K, Q8_0 and F32 tensors)."""
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
@@ -211,9 +218,37 @@ def _check_gguf(path: Path) -> None:
     try:
         import gguf
 
-        gguf.GGUFReader(str(path))
+        reader = gguf.GGUFReader(str(path))
     except Exception as exc:
         raise ModelError(f"{path} is a corrupt or truncated GGUF file: {exc}") from exc
+    field = reader.fields.get("general.file_type")
+    kind = (gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_")
+            if field is not None else "file type not stated")
+    counts = Counter(t.tensor_type.name for t in reader.tensors)
+    tensors = ", ".join(f"{name} {n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"GGUF {kind} ({tensors} tensors)"
+
+
+WEIGHTS_FILE = "WEIGHTS"  # in a converted model's folder: its GGUF's quantization (`_check_gguf`)
+
+
+def weights_of(entry: ModelEntry, source: str, dtype: torch.dtype) -> str:
+    """What the model ran with, for every row: e.g. 'GGUF Q4_K_M (Q5_0 81, ...) dequantized to float32'
+    for an embedded GGUF, 'bfloat16 checkpoint run in float32' for a hub or local one."""
+    run = str(dtype).removeprefix("torch.")
+    if entry.source == "embedded":
+        folder = convert_embedded(entry)
+        record = folder / WEIGHTS_FILE
+        if not record.exists():  # converted before the quantization was recorded: read the GGUF once
+            tmp = folder / f".{WEIGHTS_FILE}.{os.getpid()}"
+            tmp.write_text(_check_gguf(embedded_file(entry)) + "\n")
+            tmp.replace(record)
+        return f"{record.read_text().strip()} dequantized to {run}"
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source, revision=entry.revision or None)  # as stored, not as loaded
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return f"{str(stored).removeprefix('torch.') if stored else 'unstated-dtype'} checkpoint run in {run}"
 
 
 def resolve_source(entry: ModelEntry) -> tuple[str, str]:
@@ -314,4 +349,5 @@ def load_model(entry: ModelEntry, device: str = "cpu", dtype: torch.dtype = torc
         allows_padding=adapter.allows_padding,
         hidden_states_offset=adapter.hidden_states_offset,
         self_attention=adapter.self_attention,
+        weights=weights_of(entry, source, dtype),
     )

@@ -57,6 +57,8 @@ PROVENANCE: tuple[Column, ...] = (
     _c("code_version", STR, "version of the engine that wrote the row"),
     _c("config_json", STR, "the whole analysis configuration, as JSON"),
     _c("model_layers", I32, "the model's depth (the analysed layers may be fewer)"),
+    _c("weights", STR, "the weights the model ran with: a GGUF's quantization (file type, tensors per type) "
+                       "dequantized to the run's dtype, or the checkpoint's dtype and the run's"),
 )
 
 _GEOMETRY_PARTS = {"full": "Δ_full = y - x", "tok": "Δ_tok = T(x) - x", "res": "the residual r = y - T(x)"}

@@ -42,21 +42,25 @@ class Provenance:
     code_version: str
     config_json: str
     model_layers: int  # the model's real depth (the analysed layers may be fewer)
+    weights: str  # what the model ran with: quantization and dtype (models.weights_of)
 
     @classmethod
     def of(cls, model: str, model_revision: str, corpus: str, corpus_slice: str, cfg: AnalysisConfig,
-           model_layers: int) -> Provenance:
-        """The one place provenance is built: what was analysed (model, its depth, revision, corpus
+           model_layers: int, weights: str) -> Provenance:
+        """The one place provenance is built: what was analysed (model, its depth, revision, weights, corpus
         slice), the configuration that analysed it and this code's version."""
         return cls(model=model, model_revision=model_revision, corpus=corpus, corpus_slice=corpus_slice,
                    config_id=cfg.config_id, k=cfg.k, rank=cfg.rank, dtype=cfg.fit_dtype, code_version=CODE_VERSION,
-                   config_json=cfg.to_json(), model_layers=model_layers)
+                   config_json=cfg.to_json(), model_layers=model_layers, weights=weights)
 
     @classmethod
     def of_rows(cls, table: pa.Table, cfg: AnalysisConfig) -> Provenance:
-        """For a stage that reads stored rows: they say which model (and its depth), revision and corpus slice."""
-        row = table.slice(0, 1).select(["model", "model_revision", "corpus", "corpus_slice", "model_layers"]).to_pylist()[0]
-        return cls.of(row["model"], row["model_revision"], row["corpus"], row["corpus_slice"], cfg, row["model_layers"])
+        """For a stage that reads stored rows: they say which model (its depth and weights), revision and
+        corpus slice."""
+        row = table.slice(0, 1).select(["model", "model_revision", "corpus", "corpus_slice", "model_layers",
+                                        "weights"]).to_pylist()[0]
+        return cls.of(row["model"], row["model_revision"], row["corpus"], row["corpus_slice"], cfg, row["model_layers"],
+                      row["weights"])
 
     def columns(self, n: int) -> dict[str, pa.Array]:
         out: dict[str, pa.Array] = {}
@@ -67,7 +71,7 @@ class Provenance:
 
 
 PROVENANCE_COLUMNS: tuple[str, ...] = ("model", "model_revision", "corpus", "corpus_slice", "config_id", "k", "rank",
-                                       "dtype", "code_version", "config_json", "model_layers")
+                                       "dtype", "code_version", "config_json", "model_layers", "weights")
 
 
 def with_provenance(columns: dict[str, pa.Array | np.ndarray], prov: Provenance, layer: int) -> pa.Table:

@@ -206,8 +206,10 @@ def test_every_row_records_its_configuration(run) -> None:
     cfg = lens.config()
     for view in ("activations", "local_fits", "residuals", "geometry", "functional_metrics"):
         frame = catalog.query(lens.root, f"SELECT DISTINCT model, config_id, k, rank, dtype, code_version, "
-                                         f"model_revision, corpus_slice FROM {view}")
+                                         f"model_revision, corpus_slice, weights FROM {view}")
         assert sorted(frame["model"].to_list()) == MODELS, view
+        # the tiny models are checkpoints saved in float32 and run in float32 (a GGUF says its quantization)
+        assert set(frame["weights"]) == {"float32 checkpoint run in float32"}, view
         assert set(frame["config_id"]) == {cfg.config_id}
         assert set(frame["k"]) == {8} and set(frame["rank"]) == {2} and set(frame["dtype"]) == {"float64"}
         assert set(frame["corpus_slice"]) == {f"wiki-embedded[w0:{N_SEQ},len{SEQ_LEN},per_doc1]"}

@@ -17,8 +17,8 @@ from updatelens.storage.layout import convergence_root, sweep_root, write_partit
 
 LAYERS, CLASSES, TOKENS = 6, ("diagonal", "lowrank"), 5
 MIDDLE, OUTER = [2, 3], [0, 1, 4, 5]  # the thirds of a 6-layer model
-PROV = {"config_id": "c1", "model_revision": "r", "corpus_slice": "s", "k": 8, "rank": 2, "dtype": "float64",
-        "code_version": "v"}
+PROV = {"config_id": "c1", "model_revision": "r", "weights": "GGUF Q4_1 dequantized to float32", "corpus_slice": "s",
+        "k": 8, "rank": 2, "dtype": "float64", "code_version": "v"}
 
 
 def fixture(root: Path, config_id: str = "c1", seed: int = 0, n_seq: int = 4) -> dict[str, np.ndarray]:
@@ -125,6 +125,7 @@ def same(found: object, expected: float | None) -> bool:
 def test_findings_match_a_hand_computation(tmp_path: Path) -> None:
     v = fixture(tmp_path)
     rows = {r["finding"]: r for r in catalog.query(tmp_path, "SELECT * FROM findings").to_dicts()}
+    assert {r["weights"] for r in rows.values()} == {PROV["weights"]}  # what the model ran with, beside each finding
     err = {c: np.median(np.median(v[f"rel_err/{c}"], axis=1)) for c in CLASSES}
     best = min(err, key=err.get)
     assert best == "lowrank" and all(r["fn_class"] == best for r in rows.values())
