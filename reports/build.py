@@ -38,10 +38,12 @@ MODEL_FIGURES: dict[str, str] = {
     "layer_curves": "Per-layer curves, one line per function class: relative error, alignment in update and map "
                     "form, share of residual angles above 60°, projection energy of Δ_full, Δ_tok and r on the "
                     "top-16 tokenwise directions, mean KL with the residual removed, Spearman(relative error, KL), "
+                    "the median ratio KL(remove r) / KL(random move of the same norm) against its null 1, "
                     "and effective ranks; shaded: the 95% band of each statistic over the bootstrap resamples of "
-                    "the documents (view layer_bands; the mean KL has none, the ranks only with "
-                    "bootstrap_spectra > 0); dashed with crosses: the statistic's null (the same measure on a residual "
-                    "of the same length in a random direction; for the Spearman, the random control's), with its band.",
+                    "the documents (view layer_bands; the mean KL has none; the ranks' from their jackknife over "
+                    "documents, with jackknife_groups > 0); dashed with crosses: the statistic's null (the same "
+                    "measure on a residual of the same length in a random direction; for the Spearman, the random "
+                    "control's), with its band.",
     "angle_histograms": "Distribution of the angle between the full update and the residual, for an early, a "
                         "middle and a late layer.",
     "error_vs_kl": "Per-token relative error against the KL caused by removing the residual at that token "
@@ -49,8 +51,11 @@ MODEL_FIGURES: dict[str, str] = {
                    "patched at once: config patch_mode), early, middle and late layers.",
     "energy_curves": "Cumulative singular-value energy of Δ_full, Δ_tok and r (uncentred), early, middle and "
                      "late layers: a curve that rises fast is low-dimensional.",
-    "controls": "Mean KL with the residual removed, against the controls: a random direction of the same norm as "
-                "r, and the residual kept with a cruder tokenwise part.",
+    "controls": "Left: mean KL with the residual removed, against the controls: a random direction of the same "
+                "norm as r, and the residual kept with a cruder tokenwise part. Right: on the tokens whose effect on "
+                "the rest of the sequence was measured (later_positions per sequence, one position's r removed), "
+                "the mean KL at that position and the mean KL summed over the positions after it, with the "
+                "Spearman correlation of the two across those tokens (right axis).",
 }
 COMPARISON_FIGURES: dict[str, str] = {
     "comparison_curves": "Per-layer curves of every materialized model against normalised depth, each model on "

@@ -117,10 +117,12 @@ ALTERNATIVE_MEASURES = (
 # The paper's findings, declared in `updatelens.findings` (claim, measure, threshold and its source),
 # each measured per (model, config, class) in plain SQL over per-layer statistics, so a reader can see
 # how every figure is derived. The statistics come once from `layer_summary` and `spectra` (replicate
-# -1: the point estimate) and once per bootstrap resample of the sequences from `layer_replicates`
-# (replicate 0, 1, ...); every finding is computed on each, and its 95% interval is the 2.5% and
-# 97.5% quantiles of the resamples' values. `verdict` is 'holds' or 'fails' when the whole interval
-# is on one side of the threshold, 'undecided' when it straddles it, NULL without resamples.
+# -1: the point estimate) and once per bootstrap resample of the documents from `layer_replicates`
+# (replicate 0, 1, ...; the effective ranks on jackknife replicates -2, -3, ... instead); every finding
+# is computed on each, and its 95% interval is the 2.5% and 97.5% quantiles of the resamples' values,
+# or for a finding whose `interval` is 'jackknife' (finding 3) the point +- t times the jackknife's
+# standard error (`jackknife_half_width`). `verdict`: see docs/method.md, "Verdicts"; NULL without
+# resamples.
 # `findings` keeps the class with the lowest median relative error.
 POINT_STATS_SQL = """
 SELECT ls.model, ls.config_id, ls.fn_class, ls.layer, -1 AS replicate, ls.model_layers,
@@ -146,11 +148,13 @@ FROM {geometry_bootstrap} g LEFT JOIN {functional_bootstrap} f USING (model, lay
 """
 
 # Each per-layer statistic of the findings with its 95% band over the resamples (the layer curves'
-# shaded bands): `<statistic>_lo` and `<statistic>_hi` per (model, config, class, layer).
+# shaded bands): `<statistic>_lo` and `<statistic>_hi` per (model, config, class, layer). The effective
+# ranks' bands come from their jackknife replicates, centred on the replicates' mean (within O(1/G) of
+# the curve's point).
 LAYER_BANDS_SQL = """
 CREATE OR REPLACE VIEW {name} AS
-SELECT model, config_id, fn_class, layer, count(*) AS n_resamples, {bands}
-FROM {replicates} WHERE replicate >= 0
+SELECT model, config_id, fn_class, layer, count(*) FILTER (WHERE replicate >= 0) AS n_resamples, {bands}
+FROM {replicates}
 GROUP BY model, config_id, fn_class, layer
 ORDER BY model, config_id, layer, fn_class
 """
@@ -195,11 +199,11 @@ SELECT * FROM f
 FINDINGS_BY_CLASS_SQL = """
 CREATE OR REPLACE VIEW {name} AS
 WITH f AS (SELECT * FROM {replicates}),
-summary AS (
+per_finding AS (
     SELECT model, config_id, fn_class, finding, any_value(statement) AS statement, any_value(measure) AS measure,
            any_value(threshold) AS threshold, any_value(op) AS op, any_value(bound) AS bound,
            any_value(threshold_source) AS threshold_source, any_value(null_source) AS null_source,
-           any_value(control_role) AS control_role,
+           any_value(control_role) AS control_role, any_value(interval) AS interval,
            any_value(layers) FILTER (WHERE replicate = -1) AS layers, any_value(n_layers) AS n_layers,
            any_value(note) FILTER (WHERE replicate = -1) AS note,
            max(value) FILTER (WHERE replicate = -1) AS value,
@@ -212,18 +216,48 @@ summary AS (
            -- the finding against its null, resample by resample (the same resample for both)
            quantile_cont(value - null_value, 0.025) FILTER (WHERE replicate >= 0) AS diff_ci_lo,
            quantile_cont(value - null_value, 0.975) FILTER (WHERE replicate >= 0) AS diff_ci_hi,
-           count(value) FILTER (WHERE replicate >= 0) AS n_resamples
+           count(value) FILTER (WHERE replicate >= 0) AS n_resamples,
+           -- the delete-a-group jackknife (replicates <= -2, `interval` = 'jackknife'): its half-width
+           max(null_value) FILTER (WHERE replicate = -1) AS null_point,
+           count(value) FILTER (WHERE replicate <= -2) AS n_groups,
+           {jk_value} AS half,
+           {jk_null} AS null_half,
+           {jk_diff} AS diff_half
     FROM f GROUP BY model, config_id, fn_class, finding
 ),
+summary AS (
+    SELECT * EXCLUDE (ci_lo, ci_hi, null_value, null_ci_lo, null_ci_hi, diff_ci_lo, diff_ci_hi, n_resamples,
+                      null_point, n_groups, half, null_half, diff_half),
+           CASE WHEN interval = 'jackknife' THEN value - half ELSE ci_lo END AS ci_lo,
+           CASE WHEN interval = 'jackknife' THEN value + half ELSE ci_hi END AS ci_hi,
+           CASE WHEN interval = 'jackknife' THEN null_point ELSE null_value END AS null_value,
+           CASE WHEN interval = 'jackknife' THEN null_point - null_half ELSE null_ci_lo END AS null_ci_lo,
+           CASE WHEN interval = 'jackknife' THEN null_point + null_half ELSE null_ci_hi END AS null_ci_hi,
+           CASE WHEN interval = 'jackknife' THEN value - null_point - diff_half ELSE diff_ci_lo END AS diff_ci_lo,
+           CASE WHEN interval = 'jackknife' THEN value - null_point + diff_half ELSE diff_ci_hi END AS diff_ci_hi,
+           CASE WHEN interval = 'jackknife' THEN n_groups ELSE n_resamples END AS n_resamples
+    FROM per_finding
+),
 ctl AS (
-    SELECT c.model, c.config_id, c.fn_class, c.finding, c.control,
+    SELECT c.model, c.config_id, c.fn_class, c.finding, c.control, any_value(f.interval) AS interval,
            max(c.value) FILTER (WHERE c.replicate = -1) AS value,
+           max(f.value) FILTER (WHERE c.replicate = -1) AS real_value,
            quantile_cont(c.value, 0.025) FILTER (WHERE c.replicate >= 0) AS ci_lo,
            quantile_cont(c.value, 0.975) FILTER (WHERE c.replicate >= 0) AS ci_hi,
            quantile_cont(f.value - c.value, 0.025) FILTER (WHERE c.replicate >= 0) AS diff_ci_lo,
-           quantile_cont(f.value - c.value, 0.975) FILTER (WHERE c.replicate >= 0) AS diff_ci_hi
+           quantile_cont(f.value - c.value, 0.975) FILTER (WHERE c.replicate >= 0) AS diff_ci_hi,
+           {jk_c_value} AS half,
+           {jk_c_diff} AS diff_half
     FROM ({controls}) c JOIN f USING (model, config_id, fn_class, finding, replicate)
     GROUP BY c.model, c.config_id, c.fn_class, c.finding, c.control
+),
+ctl_intervals AS (
+    SELECT model, config_id, fn_class, finding, control, value,
+           CASE WHEN interval = 'jackknife' THEN value - half ELSE ci_lo END AS ci_lo,
+           CASE WHEN interval = 'jackknife' THEN value + half ELSE ci_hi END AS ci_hi,
+           CASE WHEN interval = 'jackknife' THEN real_value - value - diff_half ELSE diff_ci_lo END AS diff_ci_lo,
+           CASE WHEN interval = 'jackknife' THEN real_value - value + diff_half ELSE diff_ci_hi END AS diff_ci_hi
+    FROM ctl
 ),
 paired AS (
     SELECT s.*,
@@ -234,11 +268,11 @@ paired AS (
            pc.control, pc.value AS control_value, pc.ci_lo AS control_ci_lo, pc.ci_hi AS control_ci_hi,
            pc.diff_ci_lo AS control_diff_ci_lo, pc.diff_ci_hi AS control_diff_ci_hi
     FROM summary s
-    LEFT JOIN ctl so ON so.model = s.model AND so.config_id = s.config_id AND so.fn_class = s.fn_class
+    LEFT JOIN ctl_intervals so ON so.model = s.model AND so.config_id = s.config_id AND so.fn_class = s.fn_class
          AND so.finding = s.finding AND so.control = 'self_only' AND so.ci_lo IS NOT NULL
-    LEFT JOIN ctl li ON li.model = s.model AND li.config_id = s.config_id AND li.fn_class = s.fn_class
+    LEFT JOIN ctl_intervals li ON li.model = s.model AND li.config_id = s.config_id AND li.fn_class = s.fn_class
          AND li.finding = s.finding AND li.control = 'linear' AND li.ci_lo IS NOT NULL
-    LEFT JOIN ctl pc ON pc.model = s.model AND pc.config_id = s.config_id AND pc.fn_class = s.fn_class
+    LEFT JOIN ctl_intervals pc ON pc.model = s.model AND pc.config_id = s.config_id AND pc.fn_class = s.fn_class
          AND pc.finding = s.finding AND pc.ci_lo IS NOT NULL
          AND pc.control = CASE WHEN so.control IS NOT NULL THEN 'self_only' ELSE 'linear' END
 ),
@@ -264,7 +298,7 @@ outcomes AS (
 SELECT model, config_id, fn_class, finding, statement, measure, value, threshold,
        CASE op WHEN '>=' THEN value >= bound AND value > null_value
                ELSE value <= bound AND value < null_value END AS holds,
-       ci_lo, ci_hi, null_value, null_ci_lo, null_ci_hi, diff_ci_lo, diff_ci_hi, n_resamples,
+       ci_lo, ci_hi, null_value, null_ci_lo, null_ci_hi, diff_ci_lo, diff_ci_hi, n_resamples, interval,
        CASE WHEN threshold_outcome IS NULL THEN NULL
             WHEN control_role = 'positive' AND (control_threshold_outcome <> 'clears'
                  OR (control_outcome = 'same' AND NOT (threshold_outcome = 'clears' AND null_outcome = 'beyond')))
@@ -283,6 +317,33 @@ SELECT model, config_id, fn_class, finding, statement, measure, value, threshold
 FROM outcomes
 ORDER BY model, config_id, fn_class, finding
 """
+
+# t(0.975, nu) for nu = 1 .. 30 degrees of freedom (scipy.stats.t.ppf, to 6 decimals; a test checks them);
+# beyond 30 the Cornish-Fisher series in the normal quantile is within 1e-6 of it
+T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
+        2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963,
+        2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272)
+Z975 = 1.959963984540054
+
+
+def t975_sql(nu: str) -> str:
+    """SQL: t(0.975, nu) for an integer expression nu >= 1 (`T975`, then the Cornish-Fisher series)."""
+    z = Z975
+    series = (f"({z!r} + {z**3 + z!r} / (4 * {nu}) + {5 * z**5 + 16 * z**3 + 3 * z!r} / (96 * {nu} ^ 2) "
+              f"+ {3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z!r} / (384 * {nu} ^ 3))")
+    table = "[" + ", ".join(f"{t!r}" for t in T975) + "]"
+    return f"(CASE WHEN {nu} <= {len(T975)} THEN {table}[{nu}] ELSE {series} END)"
+
+
+def jackknife_half_width(expression: str, replicate: str = "replicate") -> str:
+    """SQL aggregate: the half-width of the 95% delete-a-group jackknife interval of `expression` over the
+    jackknife replicates (replicate <= -2; G of them with a finite value): t(0.975, G - 1) * sqrt((G - 1) / G
+    * the sum of squared deviations from their mean); NULL with fewer than 2 groups."""
+    finite = f"CASE WHEN isfinite({expression}) THEN {expression} END"
+    jack = f"FILTER (WHERE {replicate} <= -2)"
+    nu = f"(count({finite}) {jack} - 1)"
+    return f"CASE WHEN {nu} >= 1 THEN {t975_sql(nu)} * sqrt({nu} * var_pop({finite}) {jack}) END"
+
 
 # No positive controls in a family (sweeps): the relation of control replicates, empty.
 NO_CONTROLS = ("SELECT NULL::VARCHAR AS model, NULL::VARCHAR AS config_id, NULL::VARCHAR AS control, "
@@ -395,31 +456,39 @@ rows AS (
     FROM base b JOIN measures m ON b.finding = m.alt
 ),
 paired AS (
+    -- resample b of the setting against resample b of the baseline; a jackknife finding (3): group g
+    -- against group g (the same sample, so the same documents left out)
     SELECT rows.model, rows.finding, rows.convention, rows.setting, rows.config_id, rows.fn_class,
-           quantile_cont(rr.value - br.value, 0.025) AS delta_ci_lo,
-           quantile_cont(rr.value - br.value, 0.975) AS delta_ci_hi
+           quantile_cont(rr.value - br.value, 0.025) FILTER (WHERE rr.replicate >= 0) AS q_lo,
+           quantile_cont(rr.value - br.value, 0.975) FILTER (WHERE rr.replicate >= 0) AS q_hi,
+           {jk_delta} AS half
     FROM rows
     JOIN base ON base.model = rows.model AND base.config_id = rows.base_config_id AND base.finding = rows.finding
     JOIN sweep_finding_replicates rr ON rr.model = rows.model AND rr.config_id = rows.config_id
-         AND rr.fn_class = rows.fn_class AND rr.finding = rows.source AND rr.replicate >= 0
+         AND rr.fn_class = rows.fn_class AND rr.finding = rows.source AND rr.replicate <> -1
     JOIN sweep_finding_replicates br ON br.model = base.model AND br.config_id = base.config_id
          AND br.fn_class = base.fn_class AND br.finding = base.finding AND br.replicate = rr.replicate
     GROUP BY ALL
+),
+deltas AS (
+    SELECT rows.model, rows.finding, rows.convention, rows.setting, rows.config_id, rows.fn_class,
+           f.value, f.ci_lo, f.ci_hi, f.holds, f.verdict,
+           base.value AS baseline_value, base.verdict AS baseline_verdict, base.holds AS baseline_holds,
+           f.value - base.value AS delta,
+           CASE WHEN f.interval = 'jackknife' THEN f.value - base.value - p.half ELSE p.q_lo END AS delta_ci_lo,
+           CASE WHEN f.interval = 'jackknife' THEN f.value - base.value + p.half ELSE p.q_hi END AS delta_ci_hi
+    FROM rows
+    JOIN base ON base.model = rows.model AND base.config_id = rows.base_config_id AND base.finding = rows.finding
+    JOIN sweep_findings_by_class f ON f.model = rows.model AND f.config_id = rows.config_id
+         AND f.fn_class = rows.fn_class AND f.finding = rows.source
+    LEFT JOIN paired p ON p.model = rows.model AND p.finding = rows.finding AND p.convention = rows.convention
+         AND p.setting = rows.setting AND p.config_id = rows.config_id AND p.fn_class = rows.fn_class
+    WHERE rows.finding NOT IN (SELECT alt FROM measures)
 )
-SELECT rows.model, rows.finding, rows.convention, rows.setting, rows.config_id, rows.fn_class,
-       f.value, f.ci_lo, f.ci_hi, f.holds, f.verdict,
-       base.value AS baseline_value, base.verdict AS baseline_verdict, base.holds AS baseline_holds,
-       f.value - base.value AS delta, p.delta_ci_lo, p.delta_ci_hi,
-       p.delta_ci_lo > 0 OR p.delta_ci_hi < 0 AS separates,
-       f.verdict IS DISTINCT FROM base.verdict AND coalesce(p.delta_ci_lo > 0 OR p.delta_ci_hi < 0, false) AS flips
-FROM rows
-JOIN base ON base.model = rows.model AND base.config_id = rows.base_config_id AND base.finding = rows.finding
-JOIN sweep_findings_by_class f ON f.model = rows.model AND f.config_id = rows.config_id
-     AND f.fn_class = rows.fn_class AND f.finding = rows.source
-LEFT JOIN paired p ON p.model = rows.model AND p.finding = rows.finding AND p.convention = rows.convention
-     AND p.setting = rows.setting AND p.config_id = rows.config_id AND p.fn_class = rows.fn_class
-WHERE rows.finding NOT IN (SELECT alt FROM measures)
-ORDER BY rows.model, rows.finding, rows.convention, rows.setting
+SELECT *, delta_ci_lo > 0 OR delta_ci_hi < 0 AS separates,
+       verdict IS DISTINCT FROM baseline_verdict AND coalesce(delta_ci_lo > 0 OR delta_ci_hi < 0, false) AS flips
+FROM deltas
+ORDER BY model, finding, convention, setting
 """
 
 
@@ -513,7 +582,7 @@ def _finding_select(f: Finding) -> str:
                  f"{_sql_string(f.measure)} AS measure, {_sql_string(f.threshold)} AS threshold, "
                  f"{_sql_string(f.op)} AS op, CAST({f.bound!r} AS DOUBLE) AS bound, "
                  f"{_sql_string(f.source)} AS threshold_source, {_sql_string(f.null_source)} AS null_source, "
-                 f"{_sql_string(f.control_role)} AS control_role")
+                 f"{_sql_string(f.control_role)} AS control_role, {_sql_string(f.interval)} AS interval")
     covered = f"({f.coverage})"
     note = (f"CASE WHEN NOT {covered} THEN {_sql_string(f.coverage_note)} || ' (layers analysed: ' || "
             f"array_to_string(list_sort(list(DISTINCT layer)), ',') || ' of ' || any_value(n_layers) || ')' END")
@@ -546,15 +615,23 @@ def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str 
                                                       geometry_columns=", ".join(f"g.{c}" for c in GEOMETRY_STATISTICS),
                                                       geometry_bootstrap=f"{prefix}geometry_bootstrap",
                                                       functional_bootstrap=f"{prefix}functional_bootstrap"))
-        bands = ", ".join(f"quantile_cont({c}, 0.025) AS {c}_lo, quantile_cont({c}, 0.975) AS {c}_hi"
-                          for c in BAND_STATISTICS)
+        bands = ", ".join(
+            f"avg({c}) FILTER (WHERE replicate <= -2) - {jackknife_half_width(c)} AS {c}_lo, "
+            f"avg({c}) FILTER (WHERE replicate <= -2) + {jackknife_half_width(c)} AS {c}_hi" if c.startswith("rank_")
+            else f"quantile_cont({c}, 0.025) FILTER (WHERE replicate >= 0) AS {c}_lo, "
+                 f"quantile_cont({c}, 0.975) FILTER (WHERE replicate >= 0) AS {c}_hi"
+            for c in BAND_STATISTICS)
         statements.append(LAYER_BANDS_SQL.format(name=f"{prefix}layer_bands", bands=bands,
                                                  replicates=f"{prefix}layer_replicates"))
         stats += f" UNION ALL BY NAME SELECT * FROM {prefix}layer_replicates"
     return [*statements,
             FINDING_REPLICATES_SQL.format(name=f"{prefix}finding_replicates", stats=stats, findings=findings_select()),
             FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", replicates=f"{prefix}finding_replicates",
-                                         controls=controls),
+                                         controls=controls, jk_value=jackknife_half_width("value"),
+                                         jk_null=jackknife_half_width("null_value"),
+                                         jk_diff=jackknife_half_width("value - null_value"),
+                                         jk_c_value=jackknife_half_width("c.value", "c.replicate"),
+                                         jk_c_diff=jackknife_half_width("f.value - c.value", "c.replicate")),
             FINDINGS_SQL.format(name=f"{prefix}findings", by_class=f"{prefix}findings_by_class",
                                 layer_summary=f"{prefix}layer_summary")]
 
@@ -562,7 +639,7 @@ def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str 
 def sensitivity_sql() -> str:
     measures = ", ".join("(" + ", ".join("'" + v.replace("'", "''") + "'" for v in m) + ")"
                          for m in ALTERNATIVE_MEASURES)
-    return SENSITIVITY_SQL.format(measures=measures)
+    return SENSITIVITY_SQL.format(measures=measures, jk_delta=jackknife_half_width("rr.value - br.value", "rr.replicate"))
 
 
 DERIVED_VIEWS = ("layer_summary", "layer_replicates", "layer_bands", "finding_replicates", "findings_by_class",

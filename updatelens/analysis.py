@@ -19,6 +19,7 @@ from updatelens.bootstrap import (
     ResampledGrams,
     effective_ranks_of,
     geometry_replicates,
+    jackknife_counts,
     median_ratio,
     paired_ratio,
     row_weights,
@@ -307,14 +308,24 @@ def residuals_table(data: LayerData, fits: dict[str, LayerFit], prov: Provenance
 
 
 # ---- the bootstrap's unit -----------------------------------------------------------------------
-def resample_counts(cfg: AnalysisConfig, docs: np.ndarray) -> np.ndarray:
-    """[bootstrap, n_seq] multiplicity of each sample sequence in each resample: documents drawn with
-    replacement (`bootstrap_unit="document"`, the independent unit) or sequences. `docs`: the
-    document of each sample sequence."""
+def resample_units(cfg: AnalysisConfig, docs: np.ndarray) -> np.ndarray:
+    """The independent unit of each sample sequence: its document (`bootstrap_unit="document"`) or
+    itself. `docs`: the document of each sample sequence."""
     units = np.asarray(docs) if cfg.bootstrap_unit == "document" else np.arange(cfg.n_seq)
     if len(units) != cfg.n_seq:
         raise ValueError(f"{len(units)} sequences' documents given, the sample has {cfg.n_seq}")
-    return sequence_counts(units, cfg.bootstrap, cfg.seed)
+    return units
+
+
+def resample_counts(cfg: AnalysisConfig, docs: np.ndarray) -> np.ndarray:
+    """[bootstrap, n_seq] multiplicity of each sample sequence in each resample: its unit drawn with
+    replacement (`resample_units`)."""
+    return sequence_counts(resample_units(cfg, docs), cfg.bootstrap, cfg.seed)
+
+
+# jackknife replicate g of the effective ranks is stored as replicate JACKKNIFE_FIRST - g (-2, -3, ...):
+# beside the bootstrap's 0 .. bootstrap-1 and the point estimate's -1 of the findings' replicates
+JACKKNIFE_FIRST = -2
 
 
 def sample_docs(data: LayerData | pa.Table) -> np.ndarray:
@@ -349,11 +360,10 @@ class LayerGeometry:
         control, whose null no verdict reads, leaves them out (their ranks are NaN)."""
         self.cfg = cfg
         self.counts = resample_counts(cfg, docs)
-        self.n_spec = min(cfg.bootstrap_spectra, cfg.bootstrap)
+        self.jackknife = jackknife_counts(resample_units(cfg, docs), cfg.jackknife_groups, cfg.seed)
         self.which = WHICH + NULL_WHICH if null_spectra else WHICH
         self.grams = {(c, w): np.zeros((d, d)) for c in classes for w in self.which}
-        self.replicate_grams = {(c, w): ResampledGrams(self.counts[: self.n_spec], d)
-                                for c in classes for w in self.which}
+        self.replicate_grams = {(c, w): ResampledGrams(self.jackknife, d) for c in classes for w in self.which}
         self.n_rows = 0
         self.subspaces: dict[str, Subspace] = {}
         self.scalars: dict[str, list[dict[str, np.ndarray]]] = {c: [] for c in classes}
@@ -415,21 +425,25 @@ class LayerGeometry:
         return pa.concat_tables(parts)
 
     def bootstrap_table(self, prov: Provenance, layer: int) -> pa.Table:
-        """The findings' per-layer statistics on every resample (`geometry_bootstrap`)."""
+        """The findings' per-layer statistics on every bootstrap resample (replicates 0 .. bootstrap-1;
+        their effective ranks null), then the effective ranks on every jackknife replicate
+        (replicates -2, -3, ...: `JACKKNIFE_FIRST`; their other statistics null): `geometry_bootstrap`."""
         parts = []
-        b = self.cfg.bootstrap
+        b, g = self.cfg.bootstrap, len(self.jackknife)
         keys = [(c, w) for c in self.scalars for w in self.which]
         spectra_ranks = dict(zip(keys, effective_ranks_of([self.replicate_grams[key] for key in keys])))
         for fn_class, blocks in self.scalars.items():
             merged = {k: np.concatenate([blk[k] for blk in blocks]) for k in blocks[0]}
-            cols: dict[str, pa.Array] = {"fn_class": pa.array([fn_class] * b),
-                                         "replicate": pa.array(np.arange(b), pa.int32())}
-            cols.update({k: pa.array(v, pa.float64())
-                         for k, v in geometry_replicates(merged["seq"], merged, self.counts).items()})
+            resampled = geometry_replicates(merged["seq"], merged, self.counts)
+            cols: dict[str, pa.Array] = {
+                "fn_class": pa.array([fn_class] * (b + g)),
+                "replicate": pa.array(np.concatenate([np.arange(b), JACKKNIFE_FIRST - np.arange(g)]), pa.int32())}
+            cols.update({k: pa.array(np.concatenate([v, np.full(g, np.nan)]), pa.float64(), from_pandas=True)
+                         for k, v in resampled.items()})
             for which in WHICH + NULL_WHICH:
-                ranks = np.full(b, np.nan)
-                if self.n_spec and which in self.which:
-                    ranks[: self.n_spec] = spectra_ranks[(fn_class, which)]
+                ranks = np.full(b + g, np.nan)
+                if which in self.which:
+                    ranks[b:] = spectra_ranks[(fn_class, which)]
                 cols[f"rank_{which}"] = pa.array(ranks, pa.float64(), from_pandas=True)
             parts.append(with_provenance(cols, prov, layer))
         return pa.concat_tables(parts)

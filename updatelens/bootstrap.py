@@ -37,6 +37,23 @@ def sequence_counts(units_of_seq: np.ndarray, n_resamples: int, seed: int) -> np
     return replicate_counts(int(unit.max()) + 1, n_resamples, seed)[:, unit]
 
 
+def jackknife_counts(units_of_seq: np.ndarray, groups: int, seed: int) -> np.ndarray:
+    """[G, n_seq] weights of a delete-a-group jackknife over the independent units (documents): the units
+    are shuffled by the seed and dealt into G = min(groups, units) groups of near-equal size, and
+    replicate g weighs every sequence 1 but those of group g, 0. With as many groups as units this is
+    the leave-one-document-out jackknife. Its interval (`JACKKNIFE_SE` in storage.catalog) is
+    point +- t * sqrt((G - 1) / G * sum_g (theta_g - mean)^2)."""
+    _, unit = np.unique(np.asarray(units_of_seq), return_inverse=True)
+    n_units = int(unit.max()) + 1 if len(unit) else 0
+    g = min(groups, n_units)
+    if g < 2:
+        return np.zeros((0, len(unit)))
+    order = np.random.default_rng([seed, 0x7AC4]).permutation(n_units)
+    group_of_unit = np.empty(n_units, np.int64)
+    group_of_unit[order] = np.arange(n_units) % g
+    return (group_of_unit[unit][None, :] != np.arange(g)[:, None]).astype(np.float64)
+
+
 def row_weights(counts: np.ndarray, seq: np.ndarray, block: int = 32) -> Iterator[tuple[int, np.ndarray]]:
     """(first replicate, weights [b, n_rows]) for blocks of replicates: row i weighs counts[., seq[i]]."""
     for start in range(0, len(counts), block):
@@ -150,11 +167,13 @@ def geometry_replicates(seq: np.ndarray, metrics: dict[str, np.ndarray], counts:
 
 
 class ResampledGrams:
-    """The Gram matrix sum_i w_i v_i v_i^T of a statistic's rows on each resample (`counts` [b, n_seq]),
+    """The Gram matrix sum_i w_i v_i v_i^T of a statistic's rows on each replicate (`counts` [b, n_seq]:
+    bootstrap multiplicities or jackknife weights),
     accumulated block by block in whichever of two forms holds fewer d x d matrices: one per resample
     (b of them) or one per sequence (n_seq of them; each resample's Gram is then the counts-weighted
-    sum, formed a few at a time in `effective_ranks`). The default job (16 sequences, 20 spectra
-    resamples: `bootstrap_spectra`) keeps 16 per statistic, the study preset (1,024 sequences, 50) 50. Stored in float32
+    sum, formed a few at a time in `effective_ranks`). The default job (16 documents: a leave-one-out
+    jackknife of 16 replicates, `jackknife_groups`) keeps 16 per statistic, the study preset (1,024
+    sequences, 50 groups) 50. Stored in float32
     (their eigenvalues feed an entropy, not a solve); products in float64."""
 
     def __init__(self, counts: np.ndarray, d: int) -> None:

@@ -84,12 +84,14 @@ class AnalysisConfig:
     # geometry
     subspace_ms: tuple[int, ...] = (1, 4, 16, 64)
     energy_threshold: float = 0.9
-    # bootstrap over sequences: resamples behind every finding's interval; the effective ranks of
-    # finding 3 are resampled on the first `bootstrap_spectra` of them only (all of them where there
-    # are fewer; each resample costs five
-    # d x d eigendecompositions per class and layer: the geometry stage's largest cost on a CPU)
+    # bootstrap over documents: resamples behind every finding's interval but finding 3's. The effective
+    # ranks of finding 3 take a delete-a-group jackknife over documents instead (`jackknife_groups`
+    # groups, each left out once; leave-one-out where there are fewer documents): an effective rank on
+    # a resample drawn with replacement is biased low (repeated documents look like fewer directions),
+    # so the bootstrap's percentile interval can miss its own point; the jackknife's is centred on it.
+    # Each group costs five d x d eigendecompositions per class and layer (0: finding 3 without interval)
     bootstrap: int = 200
-    bootstrap_spectra: int = 20
+    jackknife_groups: int = 20
     bootstrap_unit: str = "document"  # the independent unit a resample draws with replacement
     # functional metrics
     patch_mode: str = "auto"
@@ -190,8 +192,10 @@ class AnalysisConfig:
             bad(f"windows_per_doc must be >= 0 (0: no limit), got {self.windows_per_doc}")
         if self.bootstrap_unit not in UNITS:
             bad(f"unknown bootstrap_unit {self.bootstrap_unit!r}; choose from {', '.join(UNITS)}")
-        if self.bootstrap < 0 or self.bootstrap_spectra < 0:
-            bad(f"bootstrap and bootstrap_spectra must be >= 0, got {self.bootstrap}, {self.bootstrap_spectra}")
+        if self.bootstrap < 0 or self.jackknife_groups < 0:
+            bad(f"bootstrap and jackknife_groups must be >= 0, got {self.bootstrap}, {self.jackknife_groups}")
+        if self.jackknife_groups == 1:
+            bad("jackknife_groups must be 0 (no interval for finding 3) or at least 2, got 1")
         if not self.subspace_ms or min(self.subspace_ms) < 1:
             bad(f"subspace_ms must be positive integers, got {self.subspace_ms}")
         if 90 in self.subspace_ms:  # proj_*_m90 names the 90 %-energy subspace (updatelens.schemas)
@@ -288,7 +292,7 @@ def _check_type(name: str, default: object, value: object) -> None:
 # 130,048 kept tokens per layer), the default classes and controls, intervals for every finding.
 PRESETS: dict[str, dict[str, object]] = {
     "study": {"n_seq": 1024, "seq_len": 128, "classes": ["diagonal", "lowrank"], "controls": ["random", "crude"],
-              "bootstrap": 200, "bootstrap_spectra": 50, "windows_per_doc": 12},
+              "bootstrap": 200, "jackknife_groups": 50, "windows_per_doc": 12},
 }
 
 

@@ -86,6 +86,10 @@ class Finding:
     # "reference": shown beside the value, not part of the verdict;
     # "none": no control measures it (a KL needs patched passes the controls do not make).
     control_role: str = "floor"
+    # how the 95% intervals are read from the replicates: "percentile" (the 2.5% and 97.5% quantiles of
+    # the bootstrap resamples) or "jackknife" (point +- t * the delete-a-group jackknife's standard error
+    # over documents: for effective ranks, which a resample drawn with replacement biases low)
+    interval: str = "percentile"
 
     @property
     def threshold(self) -> str:
@@ -130,7 +134,8 @@ FINDINGS: tuple[Finding, ...] = (
             "greatest(avg(rank_full), avg(rank_tok)) / avg(rank_res)", "<=", 0.5,
             "the paper gives no figure; at most half the residual's effective rank is UpdateLens's reading",
             "greatest(avg(rank_full_null), avg(rank_tok)) / avg(rank_res_null)",
-            f"the same ratio with r replaced by ‖r‖u, an isotropic residual of the same energy ({RANDOM_DIRECTION})"),
+            f"the same ratio with r replaced by ‖r‖u, an isotropic residual of the same energy ({RANDOM_DIRECTION})",
+            interval="jackknife"),
     Finding("4", "approximation error predicts output perturbation",
             "median over layers of Spearman(relative error, KL at the patched position)", "median(spearman_relerr_kl)", ">=", 0.7,
             "the paper: 'Spearman often above 0.7'",

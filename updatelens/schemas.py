@@ -43,7 +43,8 @@ LAYER = _c("layer", I32, "block index l: the row describes the update h_l -> h_{
 SEQ = _c("seq", I32, "sequence index in the corpus sample (windows of seq_len tokens)")
 POS = _c("pos", I32, "token position within its sequence (0 is BOS or the first token, never analysed)")
 FN_CLASS = _c("fn_class", STR, "function class of the fit T: diagonal, psd_diagonal, lowrank, orthogonal, global_linear or mlp")
-REPLICATE = _c("replicate", I32, "bootstrap resample over documents (0 .. bootstrap-1)")
+REPLICATE = _c("replicate", I32, "bootstrap resample over documents (0 .. bootstrap-1); in geometry_bootstrap "
+                                 "also -2, -3, ...: the jackknife replicates of the effective ranks")
 
 PROVENANCE: tuple[Column, ...] = (
     _c("model", STR, "model name in the registry"),
@@ -84,7 +85,8 @@ def _bootstrap_geometry() -> list[Column]:
         out.append(_c(name, F64, f"{how[agg]} {column}{extra} on the resample"))
     ranks = {"rank_full": "Δ_full", "rank_tok": "Δ_tok", "rank_res": "the residual",
              "rank_full_null": "Δ_full with the random-direction residual", "rank_res_null": "the random-direction residual"}
-    out += [_c(name, F64, f"effective rank of {what} on the resample (NaN beyond bootstrap_spectra)")
+    out += [_c(name, F64, f"effective rank of {what} on the jackknife replicate (replicate <= -2; null on the "
+                          f"bootstrap resamples)")
             for name, what in ranks.items()]
     return out
 

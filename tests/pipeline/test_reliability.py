@@ -325,8 +325,8 @@ def test_converge_uses_the_study_presets_settings_so_its_largest_size_is_the_stu
     plan = plan_convergence("deep-llama", deep_lens, [256, 512], preset="study")
     for (_tokens, sub), n_seq in zip(plan.sizes, (2, 4)):
         cfg = sub.config()
-        assert (cfg.n_seq, cfg.seq_len, list(cfg.classes), list(cfg.controls), cfg.bootstrap, cfg.bootstrap_spectra) == (
-            n_seq, study["seq_len"], study["classes"], study["controls"], study["bootstrap"], study["bootstrap_spectra"])
+        assert (cfg.n_seq, cfg.seq_len, list(cfg.classes), list(cfg.controls), cfg.bootstrap, cfg.jackknife_groups) == (
+            n_seq, study["seq_len"], study["classes"], study["controls"], study["bootstrap"], study["jackknife_groups"])
         assert cfg.k == 4 and cfg.rank == 2  # the lens's own settings where the preset says nothing
     own = plan_convergence("deep-llama", deep_lens, [32])  # no preset: the lens's settings
     assert own.sizes[0][1].config().seq_len == 16 and own.sizes[0][1].config().n_seq == 2

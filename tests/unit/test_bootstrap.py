@@ -9,6 +9,7 @@ from scipy import stats
 from updatelens.bootstrap import (
     effective_rank,
     gram_effective_ranks,
+    jackknife_counts,
     replicate_counts,
     replicate_grams,
     weighted_mean,
@@ -132,3 +133,19 @@ def test_a_resample_draws_documents_whole() -> None:
     per_doc = counts[:, [0, 3, 5]]
     assert np.all(per_doc.sum(axis=1) == 3)  # three documents drawn with replacement
     np.testing.assert_array_equal(sequence_counts(np.arange(6), 50, 3), replicate_counts(6, 50, 3))  # sequences as units
+
+
+def test_a_jackknife_deals_the_documents_into_groups_each_left_out_once() -> None:
+    docs = np.repeat(np.arange(10), [1, 2, 1, 3, 1, 1, 2, 1, 1, 1])  # 10 documents, 14 sequences
+    jack = jackknife_counts(docs, 4, seed=0)
+    assert jack.shape == (4, 14) and set(np.unique(jack)) == {0.0, 1.0}
+    out = 1 - jack  # which sequences each group leaves out
+    assert (out.sum(axis=0) == 1).all()  # every sequence in exactly one group
+    for row in out:  # a group holds whole documents
+        left = set(docs[row == 1])
+        assert all(row[docs == d].all() for d in left)
+    sizes = sorted(len(set(docs[row == 1])) for row in out)
+    assert sizes == [2, 2, 3, 3]  # 10 documents dealt into 4 near-equal groups
+    np.testing.assert_array_equal(jack, jackknife_counts(docs, 4, seed=0))  # reproducible
+    assert jackknife_counts(docs, 50, 0).shape == (10, 14)  # more groups than documents: leave one out
+    assert jackknife_counts(np.zeros(3), 20, 0).shape == (0, 3)  # one document: no jackknife

@@ -19,7 +19,8 @@ BAD = [
     (dict(controls=("sideways",)), "unknown control"),
     (dict(seq_len=300), "exceeds the model's context of 256"),
     (dict(device="tpu"), "device must be"),
-    (dict(bootstrap=-1), "bootstrap and bootstrap_spectra must be >= 0"),
+    (dict(bootstrap=-1), "bootstrap and jackknife_groups must be >= 0"),
+    (dict(jackknife_groups=1), "jackknife_groups must be 0 .* or at least 2"),
     (dict(kl_block=0), "kl_block and kl_budget_mb must be >= 1"),
     (dict(subspace_ms=(1, 4, 64)), "subspace_ms must include 16"),
     (dict(subspace_ms=(16, 90)), "subspace_ms may not include 90"),
@@ -50,7 +51,7 @@ def test_study_preset_and_its_layers() -> None:
 
     cfg = AnalysisConfig(**PRESETS["study"])
     cfg.validate(d_model=576, max_positions=8192)
-    assert cfg.n_seq * cfg.seq_len == 131072 and cfg.bootstrap_spectra > 0
+    assert cfg.n_seq * cfg.seq_len == 131072 and cfg.jackknife_groups > 0
     assert preset_layers("study", 30) == [0, 15, 29]
     assert preset_layers("study", 2) == [0, 1]
     with pytest.raises(ConfigError, match="unknown preset"):
@@ -90,10 +91,12 @@ def test_the_kl_block_is_sized_from_the_vocabulary() -> None:
     assert cfg.replace(kl_budget_mb=64).config_id == cfg.config_id  # batching, not results
 
 
-def test_fewer_resamples_than_the_spectra_default_resample_the_spectra_on_all_of_them() -> None:
+def test_fewer_documents_than_jackknife_groups_leave_each_document_out_once() -> None:
     from updatelens.analysis import LayerGeometry
 
     cfg = AnalysisConfig(n_seq=4, bootstrap=10)
     cfg.validate()
-    assert cfg.bootstrap_spectra > cfg.bootstrap
-    assert LayerGeometry(cfg, ["diagonal"], 8, np.arange(4)).n_spec == 10
+    assert cfg.jackknife_groups > 4
+    jack = LayerGeometry(cfg, ["diagonal"], 8, np.array([0, 0, 1, 2])).jackknife  # 3 documents, one of them twice
+    assert jack.shape == (3, 4) and (jack.sum(axis=0) == 2).all()  # every sequence left out once
+    assert sorted(jack.sum(axis=1).tolist()) == [2.0, 3.0, 3.0]

@@ -150,7 +150,7 @@ def write_control(root: Path, control: str, shift: dict[str, float] | None = Non
             for name, delta in (shift or {}).items():
                 if name in real.column_names:
                     column = real[name].to_numpy() + delta
-                    real = real.set_column(real.schema.get_field_index(name), name, pa.array(column))
+                    real = real.set_column(real.schema.get_field_index(name), name, pa.array(column, from_pandas=True))
             write_partition(root, f"control_{table}", "m", layer,
                             real.add_column(1, "control", pa.array([control] * len(real))))
 

@@ -9,6 +9,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pytest
+import scipy.stats
 
 from updatelens import findings
 from updatelens.findings import GEOMETRY_STATISTICS
@@ -213,6 +214,11 @@ def test_sensitivity_against_hand_computation(tmp_path: Path) -> None:
     assert "findings" not in views and {"sweep_findings", "sensitivity"} <= set(views)
 
 
+N_JACK = 8  # jackknife replicates of the effective ranks in the replicate fixture
+RANK_RANGES = (("rank_full", 5, 20), ("rank_tok", 5, 20), ("rank_res", 30, 60), ("rank_full_null", 5, 20),
+               ("rank_res_null", 30, 60))
+
+
 def replicate_fixture(root: Path, n_rep: int = 40, seed: int = 5, config_id: str = "c1",
                       n_seq: int = 4) -> dict[str, np.ndarray]:
     """Per-layer statistics of bootstrap resamples (the tables the geometry and functional stages write)."""
@@ -224,22 +230,30 @@ def replicate_fixture(root: Path, n_rep: int = 40, seed: int = 5, config_id: str
                                 ("cos_full_tok_map_median", 0.8, 1.0), ("frac_res_angle_gt60", 0.0, 1.0),
                                 ("frac_res_tok_angle_gt60", 0.0, 1.0), ("proj_res_m16", 0.3, 0.5),
                                 ("spearman_relerr_kl", 0.5, 0.9), ("spearman_normres_kl", 0.5, 0.9),
-                                ("rank_full", 5, 20), ("rank_tok", 5, 20), ("rank_res", 30, 60),
                                 *((f"{n}_null", 0.0, 1.0) for n in ("cos_full_tok_median", "cos_full_tok_map_median",
                                                                      "frac_res_angle_gt60", "frac_res_tok_angle_gt60",
                                                                      "proj_res_m16", "spearman_relerr_kl",
                                                                      "spearman_normres_kl")),
-                                ("rank_full_null", 5, 20), ("rank_res_null", 30, 60), ("kl_ratio_random", 0.8, 2.0)):
+                                ("kl_ratio_random", 0.8, 2.0)):
             reps[f"{name}/{fn_class}"] = rng.uniform(low, high, (n_rep, LAYERS))
+        for name, low, high in RANK_RANGES:  # the effective ranks: on the jackknife replicates only
+            reps[f"{name}/{fn_class}"] = rng.uniform(low, high, (N_JACK, LAYERS))
+    n = n_rep + N_JACK
     for layer in range(LAYERS):
         geo, fun = [], []
         for fn_class in CLASSES:
             ids = {"model": ["m"] * n_rep, "layer": pa.array([layer] * n_rep, pa.int32()), "fn_class": [fn_class] * n_rep,
                    "replicate": pa.array(np.arange(n_rep), pa.int32()), **{k: [v] * n_rep for k, v in prov.items()}}
-            geo.append(pa.table({**ids, "model_layers": pa.array([LAYERS] * n_rep, pa.int32()),
-                                 **{name: reps[f"{name}/{fn_class}"][:, layer] for name in
-                                    (*GEOMETRY_STATISTICS, "rank_full", "rank_tok", "rank_res", "rank_full_null",
-                                     "rank_res_null")}}))
+            both = {**ids, "fn_class": [fn_class] * n, "layer": pa.array([layer] * n, pa.int32()),
+                    "replicate": pa.array(np.concatenate([np.arange(n_rep), -2 - np.arange(N_JACK)]), pa.int32()),
+                    **{k: [v] * n for k, v in prov.items()}, "model": ["m"] * n}
+            geo.append(pa.table({**both, "model_layers": pa.array([LAYERS] * n, pa.int32()),
+                                 **{name: pa.array(np.concatenate([reps[f"{name}/{fn_class}"][:, layer],
+                                                                   np.full(N_JACK, np.nan)]), from_pandas=True)
+                                    for name in GEOMETRY_STATISTICS},
+                                 **{name: pa.array(np.concatenate([np.full(n_rep, np.nan),
+                                                                   reps[f"{name}/{fn_class}"][:, layer]]), from_pandas=True)
+                                    for name, _, _ in RANK_RANGES}}))
             fun.append(pa.table({**ids, **{name: reps[f"{name}/{fn_class}"][:, layer] for name in
                                            ("spearman_relerr_kl", "spearman_normres_kl", "spearman_relerr_kl_null",
                                             "spearman_normres_kl_null", "kl_ratio_random")}}))
@@ -256,8 +270,6 @@ def test_intervals_are_quantiles_of_the_findings_on_each_resample(tmp_path: Path
         per_rep = {
             "1": np.median(reps[f"cos_full_tok_median/{fn_class}"], axis=1),
             "2 projection": reps[f"proj_res_m16/{fn_class}"].mean(axis=1),
-            "3": np.maximum(reps[f"rank_full/{fn_class}"].mean(axis=1), reps[f"rank_tok/{fn_class}"].mean(axis=1))
-            / reps[f"rank_res/{fn_class}"].mean(axis=1),
             "4": np.median(reps[f"spearman_relerr_kl/{fn_class}"], axis=1),
             "4 direction": np.median(reps[f"kl_ratio_random/{fn_class}"], axis=1),
             "5": np.median(reps["rel_err_median/diagonal"], axis=1) - np.median(reps["rel_err_median/lowrank"], axis=1),
@@ -275,6 +287,25 @@ def test_intervals_are_quantiles_of_the_findings_on_each_resample(tmp_path: Path
             diff = per_rep[finding] - nulls
             assert row["diff_ci_lo"] == pytest.approx(np.quantile(diff, 0.025), rel=1e-9, abs=1e-12)
             assert row["diff_ci_hi"] == pytest.approx(np.quantile(diff, 0.975), rel=1e-9, abs=1e-12)
+        # finding 3: the point +- t(0.975, G - 1) times the jackknife's standard error, for the value, the
+        # null and their difference, each interval centred on its point
+        jack = {name: reps[f"{name}/{fn_class}"].mean(axis=1) for name, _, _ in RANK_RANGES}
+        value_j = np.maximum(jack["rank_full"], jack["rank_tok"]) / jack["rank_res"]
+        null_j = np.maximum(jack["rank_full_null"], jack["rank_tok"]) / jack["rank_res_null"]
+        t = scipy.stats.t.ppf(0.975, N_JACK - 1)
+
+        def half(values: np.ndarray, t: float = t) -> float:
+            return float(t * np.sqrt((N_JACK - 1) / N_JACK * ((values - values.mean()) ** 2).sum()))
+
+        row = rows[(fn_class, "3")]
+        point, null = hand_findings(v, fn_class)["3"], hand_nulls(v, fn_class)["3"]
+        assert row["interval"] == "jackknife" and row["n_resamples"] == N_JACK
+        assert row["value"] == pytest.approx(point, rel=1e-9) and row["null_value"] == pytest.approx(null, rel=1e-9)
+        for lo, hi, centre, width in ((row["ci_lo"], row["ci_hi"], point, half(value_j)),
+                                      (row["null_ci_lo"], row["null_ci_hi"], null, half(null_j)),
+                                      (row["diff_ci_lo"], row["diff_ci_hi"], point - null, half(value_j - null_j))):
+            assert lo == pytest.approx(centre - width, rel=1e-6) and hi == pytest.approx(centre + width, rel=1e-6)
+            assert lo <= centre <= hi
         for finding, values in per_rep.items():
             row = rows[(fn_class, finding)]
             lo, hi = np.quantile(values, [0.025, 0.975])
@@ -299,19 +330,30 @@ def test_intervals_are_quantiles_of_the_findings_on_each_resample(tmp_path: Path
                 expected = "holds" if (dlo > 0 if above else dhi < 0) else "indistinct"
             assert row["verdict"] == expected, (cls, finding)
     verdicts = {r["verdict"] for r in rows.values()}
-    assert {"fails", "undecided", "indistinct"} <= verdicts, verdicts  # 'holds': the planted test below
+    assert {"fails", "undecided"} <= verdicts, verdicts  # 'holds' and 'indistinct': the planted test below
 
 
-def test_layer_bands_are_the_per_layer_quantiles_of_the_resamples(tmp_path: Path) -> None:
+def test_the_t_quantiles_of_the_jackknife_are_scipys() -> None:
+    for nu in (1, 2, 7, 15, 30, 31, 49, 200):
+        got = duckdb.sql(f"SELECT {catalog.t975_sql(str(nu))} AS t").fetchone()[0]  # type: ignore[index]
+        assert got == pytest.approx(scipy.stats.t.ppf(0.975, nu), rel=1e-6, abs=1e-6), nu
+
+
+def test_layer_bands_are_the_per_layer_intervals_of_the_resamples(tmp_path: Path) -> None:
     fixture(tmp_path)
     reps = replicate_fixture(tmp_path)
     bands = {(r["fn_class"], r["layer"]): r for r in catalog.query(tmp_path, "SELECT * FROM layer_bands").to_dicts()}
     assert len(bands) == len(CLASSES) * LAYERS
     for (fn_class, layer), row in bands.items():
         assert row["n_resamples"] == 40
-        for stat in ("rel_err_median", "proj_res_m16_null", "spearman_relerr_kl", "rank_res"):
+        for stat in ("rel_err_median", "proj_res_m16_null", "spearman_relerr_kl"):
             lo, hi = np.quantile(reps[f"{stat}/{fn_class}"][:, layer], [0.025, 0.975])
             assert row[f"{stat}_lo"] == pytest.approx(lo, rel=1e-9) and row[f"{stat}_hi"] == pytest.approx(hi, rel=1e-9)
+        # an effective rank: its jackknife replicates' mean +- t(0.975, G - 1) times their standard error
+        jack = reps[f"rank_res/{fn_class}"][:, layer]
+        half = scipy.stats.t.ppf(0.975, N_JACK - 1) * np.sqrt((N_JACK - 1) * jack.var())
+        assert row["rank_res_lo"] == pytest.approx(jack.mean() - half, abs=1e-6 * half)  # t to 6 decimals
+        assert row["rank_res_hi"] == pytest.approx(jack.mean() + half, abs=1e-6 * half)
 
 
 def test_without_resamples_there_is_no_interval_and_no_verdict(tmp_path: Path) -> None:
@@ -365,8 +407,8 @@ def test_a_finding_holds_only_beyond_its_null_and_is_indistinct_when_noise_passe
     noise = rng.uniform(0.92, 0.99, (40, LAYERS))
     planted = {"lowrank": (structured, structured - 0.06), "diagonal": (noise, noise + rng.normal(0, 1e-3, noise.shape))}
     for layer in range(LAYERS):
-        table = catalog.query(tmp_path, "SELECT * FROM geometry_bootstrap WHERE layer = $1 ORDER BY fn_class, replicate",
-                              [layer]).drop(["layer", "model"]).to_arrow()
+        table = catalog.query(tmp_path, "SELECT * FROM geometry_bootstrap WHERE layer = $1 AND replicate >= 0 "
+                                        "ORDER BY fn_class, replicate", [layer]).drop(["layer", "model"]).to_arrow()
         columns = {}
         for name in ("cos_full_tok_median", "cos_full_tok_median_null"):
             columns[name] = np.concatenate([planted[c][name.endswith("_null")][:, layer] for c in ("diagonal", "lowrank")])
