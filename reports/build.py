@@ -125,14 +125,18 @@ def _data_uri(path: Path) -> str:
 
 
 # ---- HTML ---------------------------------------------------------------------------------------
-STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1500px; color: #222; }
+# Tables with their verdicts' colours: the reports' and the notebook's findings table.
+TABLE_STYLE = """
 table { border-collapse: collapse; margin: 1em 0; font-size: 13px; display: block; max-width: 100%; overflow-x: auto; }
 th, td { border: 1px solid #ccc; padding: 3px 7px; text-align: left; }
 th { background: #f3f3f3; }
 td.yes, td.holds { background: #e3f4e3; } td.no, td.fails { background: #fbe4e4; } td.flip { font-weight: bold; }
 td.indistinct { background: #fff1cc; } td.undecided { background: #eeeeee; }
 td.estimator-limited { background: #e1ecfb; } td.opposite { background: #f1dcf5; }
+"""
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1500px; color: #222; }
+""" + TABLE_STYLE.strip() + """
 details { margin: 0.5em 0 1.5em; } summary { cursor: pointer; color: #444; }
 img { max-width: 100%; border: 1px solid #eee; }
 figcaption { font-size: 13px; color: #555; margin-bottom: 1.5em; }

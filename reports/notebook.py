@@ -38,37 +38,74 @@ def _(mo, models):
 
 @app.cell
 def _(catalog, mo, model, root):
-    findings = catalog.query(root, "SELECT finding, fn_class, round(value, 3) AS value, round(ci_lo, 3) AS ci_lo, "
-                                   "round(ci_hi, 3) AS ci_hi, threshold, round(null_value, 3) AS null, "
-                                   "round(null_ci_lo, 3) AS null_lo, round(null_ci_hi, 3) AS null_hi, null_outcome, "
-                                   "control, round(control_value, 3) AS control_value, "
-                                   "round(control_ci_lo, 3) AS control_lo, round(control_ci_hi, 3) AS control_hi, "
-                                   "control_outcome, verdict, measure, null_source "
-                                   "FROM findings WHERE model = $1 ORDER BY finding", [model.value])
-    mo.vstack([mo.md("## Do the paper's claims hold?\nEach finding on the best class, with its 95 % "
-                     "bootstrap interval, its null (what the same measure gives without the claimed structure) and "
-                     "its positive control (the same measure when the truth is tokenwise by construction). "
-                     "`estimator-limited`: a tokenwise target gives the same, so the estimator cannot show the "
-                     "structure at this sample size; `opposite`: beyond the null on the wrong side of the claim; "
-                     "`undecided`: the interval straddles the threshold; `indistinct`: it clears the threshold "
-                     "but not the null."),
-               mo.ui.table(findings, selection=None)])
-    return (findings,)
+    from updatelens.reports.build import TABLE_STYLE, findings_summary, html_table
+
+    config = catalog.query(root, "SELECT config_id, count(DISTINCT layer) AS n FROM layer_summary WHERE model = $1 "
+                                 "GROUP BY config_id ORDER BY n DESC, config_id LIMIT 1", [model.value])["config_id"][0]
+    findings = catalog.query(root, "SELECT * FROM findings WHERE model = $1 AND config_id = $2 ORDER BY finding",
+                             [model.value, config])
+    weights = findings["weights"][0] if len(findings) else "unknown"
+    findings_html = f"<style>{TABLE_STYLE}</style>" + html_table(findings_summary(findings))
+    mo.vstack([mo.md(f"## Do the paper's claims hold?\nConfiguration `{config}`; the model ran with {weights}. "
+                     "Each finding on the best class, with its 95 % interval over documents, its null (what the "
+                     "same measure gives without the claimed structure) and its positive control (the same "
+                     "measure when the truth is tokenwise by construction). `estimator-limited`: a tokenwise "
+                     "target gives the same, so the estimator cannot show the structure at this sample size; "
+                     "`opposite`: beyond the null on the wrong side of the claim; `undecided`: the interval "
+                     "straddles the threshold; `indistinct`: it clears the threshold but not the null. Colours as "
+                     "in the reports."),
+               mo.Html(findings_html)])
+    return config, findings, findings_html
 
 
 @app.cell
-def _(alt, catalog, mo, model, root):
-    summary = catalog.query(root, "SELECT layer, fn_class, rel_err_median, cos_full_tok_median, frac_res_angle_gt60, "
-                                  "kl_mean, spearman_relerr_kl FROM layer_summary WHERE model = $1 ORDER BY layer",
-                            [model.value])
-    long = summary.unpivot(index=["layer", "fn_class"], variable_name="measure", value_name="value")
-    curves = (alt.Chart(long).mark_line(point=True)
-              .encode(x="layer:Q", y=alt.Y("value:Q", title=None), color="fn_class:N",
-                      tooltip=["layer", "fn_class", "measure", alt.Tooltip("value:Q", format=".3f")])
-              .properties(width=260, height=160).facet(facet="measure:N", columns=3)
-              .resolve_scale(y="independent"))
-    mo.vstack([mo.md("## Layer curves\nHover a point for its value."), mo.ui.altair_chart(curves)])
-    return (summary,)
+def _(alt, catalog, config, mo, model, pl, root, views):
+    # (column of layer_summary, readable title, log scale): the report's per-layer panels
+    panels = (("rel_err_median", "relative error ‖r‖ / ‖Δ_full‖ (median)", False),
+              ("cos_full_tok_median", "alignment cos(Δ_full, Δ_tok) (median)", False),
+              ("frac_res_angle_gt60", "share of residual angles above 60°", False),
+              ("proj_res_m16", "energy of r on the top-16 tokenwise directions", False),
+              ("kl_mean", "mean KL with r removed (nats, log scale)", True),
+              ("spearman_relerr_kl", "Spearman(relative error, KL)", False),
+              ("kl_ratio_random", "KL(remove r) / KL(random move, same norm) (log)", True))
+    summary = catalog.query(root, "SELECT * FROM layer_summary WHERE model = $1 AND config_id = $2 ORDER BY layer",
+                            [model.value, config])
+    bands = (catalog.query(root, "SELECT * FROM layer_bands WHERE model = $1 AND config_id = $2", [model.value, config])
+             if "layer_bands" in views else pl.DataFrame({"layer": [], "fn_class": []}))
+    charts = []
+    for column, title, log in panels:
+        if column not in summary.columns or summary[column].null_count() == len(summary):
+            continue
+        rows = summary.select("layer", "fn_class", pl.col(column).alias("value"))
+        null = f"{column}_null"
+        if null in summary.columns:
+            rows = rows.with_columns(summary[null].alias("null"))
+        for name, source in (("lo", f"{column}_lo"), ("hi", f"{column}_hi"), ("null_lo", f"{null}_lo"),
+                             ("null_hi", f"{null}_hi")):
+            if source in bands.columns:
+                rows = rows.join(bands.select("layer", "fn_class", pl.col(source).alias(name)),
+                                 on=["layer", "fn_class"], how="left")
+        scale = alt.Scale(type="log") if log else alt.Scale(zero=False)
+        base = alt.Chart(rows).encode(x=alt.X("layer:Q"), color=alt.Color("fn_class:N", title="class"))
+        layers = [base.mark_line(point=True).encode(
+            y=alt.Y("value:Q", title=None, scale=scale),
+            tooltip=["layer", "fn_class", alt.Tooltip("value:Q", format=".3g")])]
+        if "lo" in rows.columns:  # the 95 % band over the resamples
+            layers.insert(0, base.mark_area(opacity=0.2).encode(y="lo:Q", y2="hi:Q"))
+        if "null" in rows.columns:  # the same measure without the claimed structure, dashed
+            layers.append(base.mark_line(strokeDash=[4, 3], opacity=0.7).encode(y="null:Q"))
+            if "null_lo" in rows.columns:
+                layers.insert(0, base.mark_area(opacity=0.08).encode(y="null_lo:Q", y2="null_hi:Q"))
+        if column == "kl_ratio_random":  # its null: 1
+            layers.append(alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 3], color="gray")
+                          .encode(y="y:Q"))
+        charts.append(alt.layer(*layers).properties(title=title, width=260, height=160))
+    curves = alt.concat(*charts, columns=3)
+    mo.vstack([mo.md("## Layer curves\nShaded: the 95 % band over the document resamples; dashed: the "
+                     "statistic's null (the same measure on a residual of the same length in a random direction; "
+                     "for the Spearman, the random control's; for the KL ratio, 1), with its band. Hover a point "
+                     "for its value."), curves])
+    return curves, summary
 
 
 @app.cell
@@ -93,10 +130,31 @@ def _(alt, catalog, fn_class, layer, mo, model, pl, root):
                        tooltip=["token", "context", alt.Tooltip("kl:Q", format=".2e"),
                                 alt.Tooltip("rel_err:Q", format=".3f"), "seq", "pos"])
                .properties(width=560, height=320))
-    top = tokens.sort("kl", descending=True).head(10).select("token", "context", "kl", "rel_err")
+    top = tokens.sort("kl", descending=True).head(10).select(
+        "token", "context", pl.col("kl").round_sig_figs(3).alias("KL (nats)"),
+        pl.col("rel_err").round(3).alias("relative error"))
     mo.vstack([mo.md(f"## Error against KL at layer {layer.value}\nHover a token to read it in context."),
                mo.ui.altair_chart(scatter), mo.md("Tokens whose residual matters most:"), mo.ui.table(top, selection=None)])
     return (tokens,)
+
+
+@app.cell
+def _(catalog, mo, model, root, views):
+    if "calibration" in views:
+        calibration = catalog.query(
+            root, "SELECT layer, n_tokens, k, fn_class, target, round(cos_full_tok_median, 3) AS cos, "
+                  "round(cos_lo, 3) AS cos_lo, round(cos_hi, 3) AS cos_hi, round(rel_err_median, 3) AS rel_err, "
+                  "finding_1 FROM calibration WHERE model = $1 ORDER BY layer, n_tokens, k, fn_class, target",
+            [model.value])
+        body = mo.ui.table(calibration, selection=None) if len(calibration) else mo.md(
+            f"No calibration study of {model.value} yet: `updatelens calibrate --model {model.value}` makes one.")
+    else:
+        body = mo.md("No calibration study yet: `updatelens calibrate` makes one.")
+    mo.vstack([mo.md("## What the estimator can see\nThe calibration study: finding 1's cosine for the real layer "
+                     "and for targets tokenwise by construction (self_only, linear) as the sample grows. Where "
+                     "the tokenwise target does not clear 0.9, the estimator cannot show the structure at that "
+                     "size."), body])
+    return
 
 
 @app.cell
