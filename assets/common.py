@@ -87,7 +87,7 @@ class Written:
         self.paths.append(part.url)
         figures = self.per_partition.setdefault(f"{part.model}:{part.layer:02d}", {})
         figures[f"rows_{part.table}"] = rows
-        figures.setdefault("parquet_path", part.url)
+        figures.setdefault("parquet_path", part.relative)  # within the data root: right after a move or copy
 
     def note(self, model: str, layer: int, **figures: object) -> None:
         self.per_partition.setdefault(f"{model}:{layer:02d}", {}).update(figures)
@@ -253,8 +253,10 @@ class Finished:
 def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None,
            outcomes: list[checks.Outcome] | None = None) -> Finished:
     store.refresh()
-    # one partition: its file; several: the table folder they live under
-    where = written.paths[0] if len(written.per_partition) == 1 else written.paths[0].rsplit("/", 3)[0]
+    # one partition: its file; several: the table folder they live under; within the data root (a moved or
+    # copied root keeps it right)
+    first = written.paths[0][len(store.url):].lstrip("/")
+    where = first if len(written.per_partition) == 1 else first.rsplit("/", 3)[0]
     metadata: dict[str, Any] = {
         "config_id": cfg.config_id,
         "code_version": CODE_VERSION,

@@ -5,6 +5,8 @@ Gram matrices (the dominant subspace and the spectra come from them), the second
 per-token geometry block by block; memory holds a block whatever the sample size."""
 
 import dagster as dg
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from updatelens.analysis import LayerGeometry, sample_docs
@@ -42,6 +44,24 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
             stored_spec = written.add(store.partition("spectra", model, layer), geo.spectra_table(prov, layer))
             written.add(store.partition("geometry_bootstrap", model, layer), geo.bootstrap_table(prov, layer))
             n_kept = int(pc.sum(store.partition("activations", model, layer).read(["kept"])["kept"]).as_py())
-            verdicts[f"{model}:{layer:02d}"] = checks.check_geometry(target.read(), stored_spec, n_kept, cfg.classes)
+            stored = target.read()
+            written.note(model, layer, **geometry_figures(stored, stored_spec))
+            verdicts[f"{model}:{layer:02d}"] = checks.check_geometry(stored, stored_spec, n_kept, cfg.classes)
     return finish(store, cfg, written, outcomes=[
         checks.Outcome("geometry", "geometry_ranges", verdicts, lens.checks)])
+
+
+def geometry_figures(tokens: pa.Table, spectra: pa.Table) -> dict[str, float]:
+    """A layer's geometry at a glance, per class, for its partition's page: the median cos(Δ_full, Δ_tok),
+    the share of residual angles above 60° and the effective ranks of Δ_full, Δ_tok and r."""
+    figures: dict[str, float] = {}
+    for fn_class in dict.fromkeys(tokens["fn_class"].to_pylist()):
+        mine = tokens.filter(pc.equal(tokens["fn_class"], fn_class))
+        figures[f"cos_full_tok_median_{fn_class}"] = float(np.median(mine["cos_full_tok"].to_numpy()))
+        figures[f"share_angle_gt60_{fn_class}"] = float(np.mean(mine["angle_full_res"].to_numpy() > 60))
+        ranks = spectra.filter(pc.equal(spectra["fn_class"], fn_class))
+        for which in ("full", "tok", "res"):
+            rank = ranks.filter(pc.equal(ranks["which"], which))["effective_rank"]
+            if len(rank):
+                figures[f"effective_rank_{which}_{fn_class}"] = float(rank[0].as_py())
+    return figures

@@ -42,6 +42,11 @@ class Partition:
     def url(self) -> str:
         return url(self.file)
 
+    @property
+    def relative(self) -> str:
+        """The file's path within the data root (what metadata records: right wherever the root is moved)."""
+        return self.url[len(url(self.store.root)):].lstrip("/")
+
     def exists(self) -> bool:
         return self.file.exists()
 
