@@ -5,6 +5,8 @@ live in `commands.py`."""
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 
 from updatelens.orchestration.commands import (
@@ -154,6 +156,34 @@ def main(argv: list[str] | None = None) -> int:
     except UpdateLensError as exc:  # a problem of the input or the setup: its message, not a traceback
         print(f"updatelens {args.command}: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        where = cannot_write(exc)
+        if where is None:
+            raise
+        root = getattr(args, "data_root", None) or os.environ.get("UPDATELENS_DATA", "data")
+        print(f"updatelens {args.command}: cannot write under the data root {root} ({where}); it is read-only "
+              f"here: copy it to a writable place (`cp -a`; a copy re-verifies on first use) and point "
+              f"--data-root at the copy", file=sys.stderr)
+        return 2
+
+
+READ_ONLY_SIGNS = ("read-only file system", "readonly database", "permission denied")
+
+
+def cannot_write(exc: BaseException) -> str | None:
+    """What could not be written, when `exc` (or what caused it: an OSError under a DuckDB, SQLite or
+    SQLAlchemy error) says a file or folder is read-only or not ours to write; None for anything else."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return f"{current.strerror}: {current.filename}" if current.filename else str(current.strerror)
+        text = str(current).lower()
+        if any(sign in text for sign in READ_ONLY_SIGNS):
+            return str(current).strip().splitlines()[0][:200]
+        current = current.__cause__ or current.__context__
+    return None
 
 
 if __name__ == "__main__":
