@@ -14,7 +14,12 @@ before the fault (Parquet tables compared whole). The faults:
 - two runs on the same model and root at once;
 - a partition replaced by its neighbour layer's (file and manifest), a stray valid file beside a
   partition, the token text deleted, the catalog cut to 100 bytes, a killed writer's staging folder;
-- and, on a fresh root, each bad input to `run`: its message and whether anything was created.
+- and, on a fresh root, each bad input to `run`: its message and whether anything was created;
+- a root's shape (`--only shape`): a second spelling of a partition key, a backup-named folder, a
+  partition folder replaced by a symbolic link (then its target damaged), a layer left with two
+  configurations by a killed run with other settings, the root copied and the original moved away;
+  a mistyped --data-root given to the reading commands and corpus files that are no text (a FIFO,
+  a device, a 2 GiB sparse file): each refused in one line, nothing created.
 
 It also times `verify_root` over the whole root (what every run and view refresh pays) against
 the pipeline time given with --pipeline-s.
@@ -330,8 +335,164 @@ class Drill:
         return outcome
 
 
+    # ---- faults of a root's shape (issue "A root is what it holds") -----------------------------
+    def named(self, outcome: Outcome, *marks: str) -> None:
+        """`verify` exits 1 with a line that names every one of `marks`."""
+        rc, out = self.verify()
+        lines = [line for line in out.splitlines() if all(m in line for m in marks)]
+        outcome.detected = rc == 1 and bool(lines)
+        outcome.detection = lines[0].strip() if lines else out.strip()[-300:]
+
+    def served_rows(self, table: str) -> int:
+        return int(catalog.query(self.root, f"SELECT count(*) AS n FROM {table} WHERE model = ? AND layer = ?",
+                                 [self.model, self.target])["n"][0])
+
+    def set_aside_then_run(self, outcome: Outcome) -> None:
+        """`verify --repair` sets the stray things aside, then `run` recomputes what they were."""
+        rc, out = self.verify_repair()
+        if rc not in (0, 1):
+            outcome.notes.append(f"verify --repair exited {rc}: {out[-500:]}")
+        self.repair(outcome)
+
+    def verify_repair(self) -> tuple[int, str]:
+        return self.cli("verify", "--repair")
+
+    def second_spelling(self, table: str = "geometry") -> Outcome:
+        """A copy of the target layer's folder under a second spelling of its key (layer=07 beside
+        layer=7): never read as the same layer twice."""
+        outcome = Outcome("second spelling of a key", table)
+        real = self.file(table).parent
+        twin = real.parent / f"layer=0{self.target}"
+        shutil.copytree(real, twin)
+        self.named(outcome, twin.name, "not the layout's spelling")
+        expected = len(self.baseline[(table, self.target)])
+        if (served := self.served_rows(table)) != expected:
+            outcome.notes.append(f"{served} rows served as layer {self.target}, {expected} stored")
+            outcome.detected = False
+        self.others(outcome, table)
+        self.set_aside_then_run(outcome)
+        if twin.exists():
+            outcome.notes.append(f"{twin.name} is still there after the repair")
+            outcome.identical = False
+        return outcome
+
+    def backup_folder(self, table: str = "residuals") -> Outcome:
+        """A backup-like folder beside the partitions (`layer=7 (copy)`): the views keep answering."""
+        outcome = Outcome("backup-named folder", table)
+        backup = self.file(table).parent.with_name(f"layer={self.target} (copy)")
+        shutil.copytree(self.file(table).parent, backup)
+        self.named(outcome, backup.name)
+        self.others(outcome, table)
+        self.set_aside_then_run(outcome)
+        if backup.exists():
+            outcome.notes.append("the backup folder is still there after the repair")
+            outcome.identical = False
+        return outcome
+
+    def symlinked_partition(self, table: str = "local_fits") -> Outcome:
+        """The target's partition folder replaced by a symbolic link to a copy outside the root; then the
+        copy is damaged: never served, always reported."""
+        outcome = Outcome("symlinked partition", table)
+        folder = self.file(table).parent
+        elsewhere = self.root.parent / f"{self.root.name}-drill-elsewhere"
+        shutil.rmtree(elsewhere, ignore_errors=True)
+        shutil.copytree(folder, elsewhere)
+        shutil.rmtree(folder)
+        folder.symlink_to(elsewhere, target_is_directory=True)
+        with (elsewhere / "part-0.parquet").open("r+b") as f:  # a later change where the link points
+            f.truncate((elsewhere / "part-0.parquet").stat().st_size // 2)
+        self.named(outcome, "symbolic link")
+        self.others(outcome, table)
+        self.set_aside_then_run(outcome)
+        if folder.is_symlink():
+            outcome.notes.append("the link is still there after the repair")
+            outcome.identical = False
+        shutil.rmtree(elsewhere, ignore_errors=True)
+        return outcome
+
+    def mixed_configuration(self) -> Outcome:
+        """A run of the target layer with other settings killed while it writes functional_summary: the
+        layer holds tables of two configurations; verify calls it incomplete, the next run redoes it."""
+        outcome = Outcome("mixed configurations", "functional_summary")
+        rc, out = self.cli("run", "--model", self.model, "--layers", str(self.target), "--set", "k=32", *self.extra,
+                           fault=("mid_write", "functional_summary"))
+        if rc != -9:
+            outcome.notes.append(f"the run was not killed (exit {rc}): {out[-500:]}")
+        self.named(outcome, "incomplete", f"layer={self.target}", "different runs")
+        self.others(outcome, "geometry")
+        self.repair(outcome)
+        return outcome
+
+    def copied_root(self) -> Outcome:
+        """The root copied (cp -a keeps sizes and mtimes), then the original moved away: the copy
+        re-verifies on first use and serves its own files."""
+        outcome = Outcome("copied, original moved", "every table")
+        copy = self.root.parent / f"{self.root.name}-drill-copy"
+        moved = self.root.parent / f"{self.root.name}-drill-moved"
+        for path in (copy, moved):
+            shutil.rmtree(path, ignore_errors=True)
+        subprocess.run(["cp", "-a", str(self.root), str(copy)], check=True)
+        self.root.rename(moved)
+        try:
+            env = dict(os.environ, DAGSTER_HOME=str(self.home), HF_HUB_OFFLINE="1")
+            done = subprocess.run([sys.executable, "-m", "updatelens.orchestration.cli", "verify", "--data-root",
+                                   str(copy)], cwd=REPO, env=env, capture_output=True, text=True)
+            outcome.detected = done.returncode == 0
+            outcome.detection = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-300:]
+            counted = catalog.query(copy, "SELECT count(*) AS n FROM geometry WHERE model = ? AND layer <> ?",
+                                    [self.model, self.target])["n"][0]
+            outcome.others_answer = int(counted) == self.other_rows["geometry"]
+        finally:
+            moved.rename(self.root)
+            shutil.rmtree(copy, ignore_errors=True)
+        outcome.repair_rc = 0  # nothing to repair: the original is back where it was
+        self.after(outcome)
+        return outcome
+
+
 BAD_INPUTS = (["--layers", "4-3"], ["--layers", "4-3,7"], ["--layers", ""], ["--layers", "99"],
               ["--set", "nosuchfield=1"], ["--set", "k=abc"], ["--set", "classes=lowrank"])
+
+
+def bad_roots_and_corpora(drill: Drill) -> list[dict[str, object]]:
+    """A mistyped --data-root given to the reading commands, and corpus files that are no text: each
+    refused in one line, nothing created."""
+    import tempfile
+
+    records = []
+    missing = drill.root.parent / f"{drill.root.name}-no-such-root"
+    shutil.rmtree(missing, ignore_errors=True)
+    env = dict(os.environ, DAGSTER_HOME=str(drill.home), HF_HUB_OFFLINE="1")
+    cli = [sys.executable, "-m", "updatelens.orchestration.cli"]
+    for command in (["verify"], ["sql", "SELECT 1"], ["report"]):
+        done = subprocess.run([*cli, *command, "--data-root", str(missing)], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=300)
+        lines = done.stderr.strip().splitlines()
+        records.append({"input": f"{command[0]} --data-root <missing>", "exit": done.returncode,
+                        "message": lines[-1] if lines else "", "one_line": len(lines) == 1,
+                        "created": missing.exists()})
+    with tempfile.TemporaryDirectory() as tmp:
+        fifo = Path(tmp) / "corpus.fifo"
+        os.mkfifo(fifo)
+        sparse = Path(tmp) / "huge.txt"
+        with sparse.open("wb") as f:
+            f.truncate(2 << 30)  # 2 GiB of nothing, on no disk space
+        bad = {"bad-fifo": ("a FIFO", fifo), "bad-device": ("a device", Path("/dev/zero")),
+               "bad-sparse": ("a 2 GiB sparse file", sparse)}
+        registry = Path(tmp) / "registry.toml"  # the shipped models, and a text corpus for each bad file
+        registry.write_text((REPO / "registry" / "registry.toml").read_text() + "".join(
+            f'\n[corpora.{slug}]\nsource = "text"\npath = "{path}"\n' for slug, (_, path) in bad.items()))
+        for slug, (name, _) in bad.items():
+            root = Path(tmp) / "root"
+            start = time.perf_counter()
+            done = subprocess.run([*cli, "run", "--model", drill.model, "--corpus", slug, "--registry", str(registry),
+                                   "--data-root", str(root)], cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=300)
+            lines = done.stderr.strip().splitlines()
+            records.append({"input": f"run --corpus <{name}>", "exit": done.returncode,
+                            "message": lines[-1] if lines else "", "one_line": len(lines) == 1,
+                            "seconds": round(time.perf_counter() - start, 1), "created": root.exists()})
+    return records
 
 
 def bad_inputs(drill: Drill) -> list[dict[str, object]]:
@@ -378,12 +539,13 @@ def main() -> int:
     parser.add_argument("--target", type=int, default=7, help="the layer that takes the faults")
     parser.add_argument("--pipeline-s", type=float, help="the root's pipeline time, for the verification overhead")
     parser.add_argument("--only", help="comma-separated subset: overhead, inputs, files, kills, placement, disk, "
-                                       "concurrent")
+                                       "concurrent, shape (a root's shape: spellings, links, mixed runs, copies; "
+                                       "bad roots and corpora)")
     args, extra = parser.parse_known_args()  # anything else (--registry, --set, ...) goes to `updatelens run`
     first, _, last = args.layers.partition("-")
     layers = list(range(int(first), int(last or first) + 1))
     drill = Drill(args.data_root.resolve(), args.model, layers, args.target, extra)
-    only = set((args.only or "overhead,inputs,files,kills,placement,disk,concurrent").split(","))
+    only = set((args.only or "overhead,inputs,files,kills,placement,disk,concurrent,shape").split(","))
     drill.snapshot()
     record: dict[str, Any] = {"model": args.model, "layers": layers, "target": args.target}
     if "overhead" in only:
@@ -424,6 +586,16 @@ def main() -> int:
             done(drill.full_disk())
     if "concurrent" in only:
         done(drill.concurrent())
+    if "shape" in only:
+        record["bad_roots_and_corpora"] = bad_roots_and_corpora(drill)
+        for item in record["bad_roots_and_corpora"]:
+            print(f"{item['input']}: exit {item['exit']}, one line {item['one_line']}, created {item['created']}: "
+                  f"{item['message']}", flush=True)
+        done(drill.second_spelling())
+        done(drill.backup_folder())
+        done(drill.symlinked_partition())
+        done(drill.mixed_configuration())
+        done(drill.copied_root())
     bad = [o for o in outcomes if not o.ok]
     print(f"{len(outcomes) - len(bad)} of {len(outcomes)} faults detected and repaired; record in {args.out}")
     return 1 if bad else 0
