@@ -116,6 +116,27 @@ def test_the_notebook_runs_headless_over_the_catalog(run) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_the_notebooks_layer_curves_carry_bands_nulls_and_log_kl(run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer curves as the reports draw them: a 95 % band under each curve, the null dashed, the KL on
+    a log axis, readable titles; the findings table coloured by verdict as in the reports."""
+    from updatelens.reports.notebook import app
+
+    lens, _ = run
+    monkeypatch.setenv("UPDATELENS_DATA", str(lens.root))
+    _, defs = app.run()
+    spec = defs["curves"].to_dict()
+    panels = {p["title"]: p["layer"] for p in spec["concat"]}
+    assert "mean KL with r removed (nats, log scale)" in panels and "rel_err_median" not in panels
+    for title, layers in panels.items():
+        marks = [(layer["mark"]["type"], layer["mark"].get("strokeDash")) for layer in layers]
+        assert ("area", None) in marks, title  # the band over the resamples
+    assert any(layer["encoding"]["y"].get("scale", {}).get("type") == "log"
+               for layer in panels["mean KL with r removed (nats, log scale)"])
+    nulls = {t for t, layers in panels.items() if any(layer["mark"].get("strokeDash") for layer in layers)}
+    assert {"alignment cos(Δ_full, Δ_tok) (median)", "Spearman(relative error, KL)"} <= nulls
+    assert 'class="' in defs["findings_html"] and "td.estimator-limited" in defs["findings_html"]
+
+
 @pytest.mark.needs_tool(("chromium", "chromium-browser"), "apt-get install chromium")
 def test_the_served_notebook_opens_with_its_answers(run, tmp_path: Path) -> None:
     """`updatelens notebook` serves the app: in a headless browser, without a click, the page shows the
@@ -139,7 +160,8 @@ def test_the_served_notebook_opens_with_its_answers(run, tmp_path: Path) -> None
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         with open_page(f"http://127.0.0.1:{port}/", tmp_path / "profile", height=2400) as page:
-            wanted = ("claims hold", "verdict", "control_outcome", "2 projection", "Layer curves", "Error against KL")
+            wanted = ("claims hold", "verdict", "vs control", "2 projection", "Layer curves", "Error against KL",
+                      "ran with", "What the estimator can see")
             page.wait_for(lambda t: all(w in t for w in wanted), 180)
             # the layer curves and the error-against-KL plot drawn
             page.wait_for(lambda _: page.count("canvas, svg.marks") >= 2, 60)
@@ -181,6 +203,15 @@ def test_materializations_name_their_views_and_carry_column_schemas_and_a_partit
     mine = [r.asset_observation for r in seen if r.asset_observation.partition == "tiny-mamba:01"]
     assert mine and mine[-1].metadata["rows_residuals"].value == len(CLASSES) * N_SEQ * (SEQ_LEN - 1)
     assert isinstance(mine[-1].metadata["rel_err_median_lowrank"].value, float)
+    # paths within the data root, so a moved or copied root keeps them right
+    assert mine[-1].metadata["parquet_path"].value == "residuals/model=tiny-mamba/layer=1/part-0.parquet"
+    assert meta["parquet_path"].value == "geometry"  # several partitions: the table's folder
+    # the geometry partition's page carries its figures, not only row counts
+    geometry = [r.asset_observation for r in instance.fetch_observations(dg.AssetKey("geometry"), limit=100).records
+                if r.asset_observation.partition == "tiny-mamba:01"]
+    figures = geometry[-1].metadata
+    assert -1 <= figures["cos_full_tok_median_lowrank"].value <= 1 and 0 <= figures["share_angle_gt60_lowrank"].value <= 1
+    assert figures["effective_rank_res_lowrank"].value >= 1
     # each check evaluated on each partition, after the partition's materialization
     key = dg.AssetCheckKey(dg.AssetKey("residuals"), "residuals_match_fits")
     history = instance.event_log_storage.get_asset_check_execution_history(key, limit=100)
@@ -405,3 +436,42 @@ def test_converge_job_analyses_each_sample_size_and_fills_the_convergence_view(z
     failed = converge_job.execute_in_process(run_config=bad, resources={"lens": lens}, instance=instance,
                                              raise_on_error=False)
     assert not failed.success and "multiple of seq_len" in failure_message(failed)
+
+
+def read_only(root: Path, *command: str) -> list[str]:
+    """`command` run with `root` mounted read-only (a bind mount in a user and mount namespace of its own,
+    so no privilege is needed and nothing outside the command sees it)."""
+    mount = f"mount --bind {root} {root} && mount -o remount,bind,ro {root} && exec \"$@\""
+    return ["unshare", "-rm", "sh", "-c", mount, "sh", *command]
+
+
+@pytest.mark.needs_tool(("unshare",), "apt-get install util-linux")
+def test_a_read_only_root_gets_one_line_from_every_command(run, tmp_path: Path) -> None:
+    """Every command on a root it cannot write: the reading ones answer (sql on a refreshed catalog), the
+    writing ones (a report, a repair) say so in one line and exit 2, never a traceback."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    lens, _ = run
+    root = tmp_path / "copy"
+    shutil.copytree(lens.root, root, symlinks=True)
+    cli = [sys.executable, "-m", "updatelens.orchestration.cli"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    # the copy re-verifies on first use: done while it is writable, as a user would after copying
+    assert subprocess.run([*cli, "verify", "--data-root", str(root)], env=env, capture_output=True).returncode == 0
+    probe = subprocess.run(read_only(root, "touch", str(root / "probe")), capture_output=True, text=True)
+    if "Read-only file system" not in probe.stderr:
+        pytest.skip(f"no read-only bind mount here: {probe.stderr.strip()}")
+    outcomes = {}
+    for command in (["sql", "SELECT count(*) AS n FROM findings"], ["verify"], ["verify", "--repair"], ["report"]):
+        done = subprocess.run(read_only(root, *cli, *command, "--data-root", str(root)), env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert "Traceback" not in done.stderr, (command, done.stderr[-3000:])
+        outcomes[command[0] + (" " + command[1] if command[1:2] == ["--repair"] else "")] = done
+        if done.returncode:
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            assert done.returncode == 2 and len(lines) == 1 and "read-only" in lines[0], (command, done.stderr)
+    assert outcomes["sql"].returncode == 0 and "n" in outcomes["sql"].stdout  # reading needs no write
+    assert outcomes["report"].returncode == 2  # a report is written under the root
