@@ -97,9 +97,10 @@ class AnalysisConfig:
     patch_mode: str = "auto"
     single_positions: int = 4  # positions per sequence in "single" patch mode
     # positions per sequence whose total effect on the later positions is measured: the sum over the
-    # positions after t of the KL when t alone has r removed, one patched pass each (0: none). 2 per
-    # sequence keeps the stage within the default job's time budget (bench/controls_cost.py measures it)
-    later_positions: int = 2
+    # positions after t of the KL when t alone has r removed, one patched pass each (0: none). 1 per
+    # sequence (16 tokens a layer, 480 over SmolLM2's 30) keeps the default job within its time budget
+    # beside the positive control (bench/records/calibration_cost-smollm2-135m.json)
+    later_positions: int = 1
     controls: tuple[str, ...] = ("random", "crude")
     control_class: str = ""  # class whose residual the controls use; "" = the last class listed
     crude_class: str = "diagonal"

@@ -192,6 +192,19 @@ class OriginalOutput:
         return lse.reshape(shape) - (delta_h.double() * self.mean_row[index]).sum(dim=-1)
 
 
+    def kl_from(self, seq: int, out: torch.Tensor, start: int) -> torch.Tensor:
+        """KL(p_orig || q) at positions start .. T-1 of sequence `seq` (float64 [T - start], not clamped),
+        `out` that sequence's row of what `patched_outputs` returned ([T, d] head input or [T, V] logits):
+        the head's work only where it is read."""
+        if self.head is None:
+            logq = torch.log_softmax(out[start:].to(torch.promote_types(out.dtype, torch.float32)), dim=-1)
+            return kl_rows(self.logp[seq, start:], logq.to(self.logp.device)).double()
+        assert self.head_input is not None and self.mean_row is not None
+        delta_h = out[start:] - self.head_input[seq, start:]
+        lse = self.head.shifted_logsumexp(delta_h, self.logp[seq, start:])
+        return lse - (delta_h.double() * self.mean_row[seq, start:]).sum(dim=-1)
+
+
 def _consecutive_runs(seqs: list[int]) -> list[tuple[int, int, slice]]:
     """(first row, end row, the sequences as a slice) for each run of consecutive sequences in `seqs`."""
     runs, start = [], 0
@@ -369,10 +382,10 @@ def later_position_kl(lm: LoadedModel, input_ids: np.ndarray, layer: int, patche
                 states[i, p] = patched[s, p]
             ids = torch.as_tensor(input_ids[seqs], device=lm.device)
             result = patched_outputs(lm, ids, layer, torch.as_tensor(states, device=lm.device), orig, returns_tuple)
-            kl = orig.kl(seqs, result).cpu().numpy()  # [b, T]
-            for i, (_, p) in enumerate(chunk):
-                at[start + i] = kl[i, p]
-                later[start + i] = float(np.maximum(kl[i, p + 1 :], 0.0).sum())
+            for i, (s, p) in enumerate(chunk):  # the head at p and after only (the positions before p do not move)
+                kl = orig.kl_from(int(s), result[i], int(p)).cpu().numpy()
+                at[start + i] = kl[0]
+                later[start + i] = float(np.maximum(kl[1:], 0.0).sum())
     return at, later
 
 
