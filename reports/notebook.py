@@ -61,8 +61,8 @@ def _(catalog, mo, model, root):
 @app.cell
 def _(alt, catalog, config, mo, model, pl, root, views):
     # (column of layer_summary, readable title, log scale): the report's per-layer panels
-    panels = (("rel_err_median", "relative error ‖r‖ / ‖Δ_full‖ (median)", False),
-              ("cos_full_tok_median", "alignment cos(Δ_full, Δ_tok) (median)", False),
+    _panels = (("rel_err_median", "relative error ‖r‖ / ‖Δ_full‖ (median)", False),
+               ("cos_full_tok_median", "alignment cos(Δ_full, Δ_tok) (median)", False),
               ("frac_res_angle_gt60", "share of residual angles above 60°", False),
               ("proj_res_m16", "energy of r on the top-16 tokenwise directions", False),
               ("kl_mean", "mean KL with r removed (nats, log scale)", True),
@@ -70,37 +70,37 @@ def _(alt, catalog, config, mo, model, pl, root, views):
               ("kl_ratio_random", "KL(remove r) / KL(random move, same norm) (log)", True))
     summary = catalog.query(root, "SELECT * FROM layer_summary WHERE model = $1 AND config_id = $2 ORDER BY layer",
                             [model.value, config])
-    bands = (catalog.query(root, "SELECT * FROM layer_bands WHERE model = $1 AND config_id = $2", [model.value, config])
+    _bands = (catalog.query(root, "SELECT * FROM layer_bands WHERE model = $1 AND config_id = $2", [model.value, config])
              if "layer_bands" in views else pl.DataFrame({"layer": [], "fn_class": []}))
-    charts = []
-    for column, title, log in panels:
-        if column not in summary.columns or summary[column].null_count() == len(summary):
+    _charts = []
+    for _column, _title, _log in _panels:
+        if _column not in summary.columns or summary[_column].null_count() == len(summary):
             continue
-        rows = summary.select("layer", "fn_class", pl.col(column).alias("value"))
-        null = f"{column}_null"
-        if null in summary.columns:
-            rows = rows.with_columns(summary[null].alias("null"))
-        for name, source in (("lo", f"{column}_lo"), ("hi", f"{column}_hi"), ("null_lo", f"{null}_lo"),
-                             ("null_hi", f"{null}_hi")):
-            if source in bands.columns:
-                rows = rows.join(bands.select("layer", "fn_class", pl.col(source).alias(name)),
+        _rows = summary.select("layer", "fn_class", pl.col(_column).alias("value"))
+        _null = f"{_column}_null"
+        if _null in summary.columns:
+            _rows = _rows.with_columns(summary[_null].alias("null"))
+        for _name, _source in (("lo", f"{_column}_lo"), ("hi", f"{_column}_hi"), ("null_lo", f"{_null}_lo"),
+                             ("null_hi", f"{_null}_hi")):
+            if _source in _bands.columns:
+                _rows = _rows.join(_bands.select("layer", "fn_class", pl.col(_source).alias(_name)),
                                  on=["layer", "fn_class"], how="left")
-        scale = alt.Scale(type="log") if log else alt.Scale(zero=False)
-        base = alt.Chart(rows).encode(x=alt.X("layer:Q"), color=alt.Color("fn_class:N", title="class"))
-        layers = [base.mark_line(point=True).encode(
-            y=alt.Y("value:Q", title=None, scale=scale),
+        _scale = alt.Scale(type="log") if _log else alt.Scale(zero=False)
+        _base = alt.Chart(_rows).encode(x=alt.X("layer:Q"), color=alt.Color("fn_class:N", title="class"))
+        _layers = [_base.mark_line(point=True).encode(
+            y=alt.Y("value:Q", title=None, scale=_scale),
             tooltip=["layer", "fn_class", alt.Tooltip("value:Q", format=".3g")])]
-        if "lo" in rows.columns:  # the 95 % band over the resamples
-            layers.insert(0, base.mark_area(opacity=0.2).encode(y="lo:Q", y2="hi:Q"))
-        if "null" in rows.columns:  # the same measure without the claimed structure, dashed
-            layers.append(base.mark_line(strokeDash=[4, 3], opacity=0.7).encode(y="null:Q"))
-            if "null_lo" in rows.columns:
-                layers.insert(0, base.mark_area(opacity=0.08).encode(y="null_lo:Q", y2="null_hi:Q"))
-        if column == "kl_ratio_random":  # its null: 1
-            layers.append(alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 3], color="gray")
+        if "lo" in _rows.columns:  # the 95 % band over the resamples
+            _layers.insert(0, _base.mark_area(opacity=0.2).encode(y="lo:Q", y2="hi:Q"))
+        if "null" in _rows.columns:  # the same measure without the claimed structure, dashed
+            _layers.append(_base.mark_line(strokeDash=[4, 3], opacity=0.7).encode(y="null:Q"))
+            if "null_lo" in _rows.columns:
+                _layers.insert(0, _base.mark_area(opacity=0.08).encode(y="null_lo:Q", y2="null_hi:Q"))
+        if _column == "kl_ratio_random":  # its null: 1
+            _layers.append(alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 3], color="gray")
                           .encode(y="y:Q"))
-        charts.append(alt.layer(*layers).properties(title=title, width=260, height=160))
-    curves = alt.concat(*charts, columns=3)
+        _charts.append(alt.layer(*_layers).properties(title=_title, width=260, height=160))
+    curves = alt.concat(*_charts, columns=3)
     mo.vstack([mo.md("## Layer curves\nShaded: the 95 % band over the document resamples; dashed: the "
                      "statistic's null (the same measure on a residual of the same length in a random direction; "
                      "for the Spearman, the random control's; for the KL ratio, 1), with its band. Hover a point "
@@ -141,19 +141,19 @@ def _(alt, catalog, fn_class, layer, mo, model, pl, root):
 @app.cell
 def _(catalog, mo, model, root, views):
     if "calibration" in views:
-        calibration = catalog.query(
+        _calibration = catalog.query(
             root, "SELECT layer, n_tokens, k, fn_class, target, round(cos_full_tok_median, 3) AS cos, "
                   "round(cos_lo, 3) AS cos_lo, round(cos_hi, 3) AS cos_hi, round(rel_err_median, 3) AS rel_err, "
                   "finding_1 FROM calibration WHERE model = $1 ORDER BY layer, n_tokens, k, fn_class, target",
             [model.value])
-        body = mo.ui.table(calibration, selection=None) if len(calibration) else mo.md(
+        _body = mo.ui.table(_calibration, selection=None) if len(_calibration) else mo.md(
             f"No calibration study of {model.value} yet: `updatelens calibrate --model {model.value}` makes one.")
     else:
-        body = mo.md("No calibration study yet: `updatelens calibrate` makes one.")
+        _body = mo.md("No calibration study yet: `updatelens calibrate` makes one.")
     mo.vstack([mo.md("## What the estimator can see\nThe calibration study: finding 1's cosine for the real layer "
                      "and for targets tokenwise by construction (self_only, linear) as the sample grows. Where "
                      "the tokenwise target does not clear 0.9, the estimator cannot show the structure at that "
-                     "size."), body])
+                     "size."), _body])
     return
 
 
