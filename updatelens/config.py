@@ -98,8 +98,8 @@ class AnalysisConfig:
     single_positions: int = 4  # positions per sequence in "single" patch mode
     # positions per sequence whose total effect on the later positions is measured: the sum over the
     # positions after t of the KL when t alone has r removed, one patched pass each (0: none). 1 per
-    # sequence (16 tokens a layer, 480 over SmolLM2's 30) keeps the default job within its time budget
-    # beside the positive control (bench/records/calibration_cost-smollm2-135m.json)
+    # sequence (16 tokens a layer, 480 over SmolLM2's 30): 2 made the default job 1.57 x the job without
+    # the control and the later effects (bench/records/calibration_cost-later_positions2-smollm2-135m.json)
     later_positions: int = 1
     controls: tuple[str, ...] = ("random", "crude")
     control_class: str = ""  # class whose residual the controls use; "" = the last class listed
