@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import polars as pl
 
 from updatelens import CODE_VERSION, schemas
-from updatelens.findings import FINDINGS, GEOMETRY_STATISTICS, STATISTICS, Finding
+from updatelens.findings import FINDINGS, GEOMETRY_STATISTICS, JACKKNIFE_FIRST, STATISTICS, Finding
 from updatelens.schemas import CONTROL_PREFIX
 from updatelens.stages import STUDY_TABLES, SWEEP_TABLES, TABLES
 from updatelens.storage.integrity import QUARANTINE, Damaged, scan
@@ -219,7 +219,7 @@ per_finding AS (
            count(value) FILTER (WHERE replicate >= 0) AS n_resamples,
            -- the delete-a-group jackknife (replicates <= -2, `interval` = 'jackknife'): its half-width
            max(null_value) FILTER (WHERE replicate = -1) AS null_point,
-           count(value) FILTER (WHERE replicate <= -2) AS n_groups,
+           count(value) FILTER (WHERE replicate <= {jackknife_first}) AS n_groups,
            {jk_value} AS half,
            {jk_null} AS null_half,
            {jk_diff} AS diff_half
@@ -340,7 +340,7 @@ def jackknife_half_width(expression: str, replicate: str = "replicate") -> str:
     jackknife replicates (replicate <= -2; G of them with a finite value): t(0.975, G - 1) * sqrt((G - 1) / G
     * the sum of squared deviations from their mean); NULL with fewer than 2 groups."""
     finite = f"CASE WHEN isfinite({expression}) THEN {expression} END"
-    jack = f"FILTER (WHERE {replicate} <= -2)"
+    jack = f"FILTER (WHERE {replicate} <= {JACKKNIFE_FIRST})"
     nu = f"(count({finite}) {jack} - 1)"
     return f"CASE WHEN {nu} >= 1 THEN {t975_sql(nu)} * sqrt({nu} * var_pop({finite}) {jack}) END"
 
@@ -616,8 +616,9 @@ def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str 
                                                       geometry_bootstrap=f"{prefix}geometry_bootstrap",
                                                       functional_bootstrap=f"{prefix}functional_bootstrap"))
         bands = ", ".join(
-            f"avg({c}) FILTER (WHERE replicate <= -2) - {jackknife_half_width(c)} AS {c}_lo, "
-            f"avg({c}) FILTER (WHERE replicate <= -2) + {jackknife_half_width(c)} AS {c}_hi" if c.startswith("rank_")
+            f"avg({c}) FILTER (WHERE replicate <= {JACKKNIFE_FIRST}) - {jackknife_half_width(c)} AS {c}_lo, "
+            f"avg({c}) FILTER (WHERE replicate <= {JACKKNIFE_FIRST}) + {jackknife_half_width(c)} AS {c}_hi"
+            if c.startswith("rank_")
             else f"quantile_cont({c}, 0.025) FILTER (WHERE replicate >= 0) AS {c}_lo, "
                  f"quantile_cont({c}, 0.975) FILTER (WHERE replicate >= 0) AS {c}_hi"
             for c in BAND_STATISTICS)
@@ -627,7 +628,8 @@ def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str 
     return [*statements,
             FINDING_REPLICATES_SQL.format(name=f"{prefix}finding_replicates", stats=stats, findings=findings_select()),
             FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", replicates=f"{prefix}finding_replicates",
-                                         controls=controls, jk_value=jackknife_half_width("value"),
+                                         controls=controls, jackknife_first=JACKKNIFE_FIRST,
+                                         jk_value=jackknife_half_width("value"),
                                          jk_null=jackknife_half_width("null_value"),
                                          jk_diff=jackknife_half_width("value - null_value"),
                                          jk_c_value=jackknife_half_width("c.value", "c.replicate"),

@@ -29,7 +29,7 @@ from updatelens.bootstrap import (
 from updatelens.capture import Captured, capture, kept_mask, self_only_layers
 from updatelens.config import LOCAL_CLASSES, AnalysisConfig
 from updatelens.corpus import Sample
-from updatelens.findings import TOKEN_STATISTICS
+from updatelens.findings import JACKKNIFE_FIRST, TOKEN_STATISTICS
 from updatelens.fits import LayerFit, fit_layer
 from updatelens.geometry import (
     Subspace,
@@ -323,9 +323,6 @@ def resample_counts(cfg: AnalysisConfig, docs: np.ndarray) -> np.ndarray:
     return sequence_counts(resample_units(cfg, docs), cfg.bootstrap, cfg.seed)
 
 
-# jackknife replicate g of the effective ranks is stored as replicate JACKKNIFE_FIRST - g (-2, -3, ...):
-# beside the bootstrap's 0 .. bootstrap-1 and the point estimate's -1 of the findings' replicates
-JACKKNIFE_FIRST = -2
 
 
 def sample_docs(data: LayerData | pa.Table) -> np.ndarray:

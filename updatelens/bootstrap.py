@@ -41,7 +41,7 @@ def jackknife_counts(units_of_seq: np.ndarray, groups: int, seed: int) -> np.nda
     """[G, n_seq] weights of a delete-a-group jackknife over the independent units (documents): the units
     are shuffled by the seed and dealt into G = min(groups, units) groups of near-equal size, and
     replicate g weighs every sequence 1 but those of group g, 0. With as many groups as units this is
-    the leave-one-document-out jackknife. Its interval (`JACKKNIFE_SE` in storage.catalog) is
+    the leave-one-document-out jackknife. Its interval (`jackknife_half_width` in storage.catalog) is
     point +- t * sqrt((G - 1) / G * sum_g (theta_g - mean)^2)."""
     _, unit = np.unique(np.asarray(units_of_seq), return_inverse=True)
     n_units = int(unit.max()) + 1 if len(unit) else 0

@@ -54,6 +54,10 @@ GEOMETRY_STATISTICS: tuple[str, ...] = tuple(name for name, _, _ in GEOMETRY_STA
 TOKEN_STATISTICS: tuple[str, ...] = tuple(dict.fromkeys(column for _, column, _ in GEOMETRY_STATISTIC_DEFS))
 
 
+# Jackknife replicate g of the effective ranks is stored as replicate JACKKNIFE_FIRST - g (-2, -3, ...), beside
+# the bootstrap's 0 .. bootstrap-1 and the point estimate's -1 (the engine writes them, the catalog reads them)
+JACKKNIFE_FIRST = -2
+
 # Aggregates over layers need this many analysed layers (fewer: the finding is NULL, with a note).
 MIN_LAYERS = 2
 OVER_LAYERS = f"count(DISTINCT layer) >= {MIN_LAYERS}"
