@@ -34,7 +34,15 @@ if TYPE_CHECKING:
     import polars as pl
 
 from updatelens import CODE_VERSION, schemas
-from updatelens.findings import FINDINGS, GEOMETRY_STATISTICS, JACKKNIFE_FIRST, STATISTICS, Finding
+from updatelens.findings import (
+    FINDINGS,
+    GEOMETRY_STATISTIC_DEFS,
+    GEOMETRY_STATISTICS,
+    JACKKNIFE_FIRST,
+    STATISTICS,
+    Finding,
+    aggregate_sql,
+)
 from updatelens.schemas import CONTROL_PREFIX
 from updatelens.stages import STUDY_TABLES, SWEEP_TABLES, TABLES
 from updatelens.storage.integrity import QUARANTINE, Damaged, scan
@@ -52,6 +60,8 @@ from updatelens.storage.location import as_root, is_local, url
 
 CATALOG_FILE = "updatelens.duckdb"
 
+# The statistics of the findings are rendered from their one declaration (findings.GEOMETRY_STATISTIC_DEFS),
+# which the bootstrap recomputes on every resample.
 LAYER_SUMMARY_GEOMETRY = """
 SELECT model, layer, fn_class, config_id,
        any_value(model_revision) AS model_revision,
@@ -60,27 +70,27 @@ SELECT model, layer, fn_class, config_id,
        any_value(k) AS k, any_value(rank) AS rank, any_value(dtype) AS dtype,
        any_value(code_version) AS code_version,
        count(*) AS n_tokens,
-       median(rel_err) AS rel_err_median,
+       {rel_err_median},
        avg(rel_err) AS rel_err_mean,
-       median(cos_full_tok) AS cos_full_tok_median,
-       median(cos_full_tok_map) AS cos_full_tok_map_median,
+       {cos_full_tok_median},
+       {cos_full_tok_map_median},
        median(cos_full_res) AS cos_full_res_median,
        median(angle_full_res) AS angle_full_res_median,
-       avg(CASE WHEN angle_full_res > 60 THEN 1.0 ELSE 0.0 END) AS frac_res_angle_gt60,
-       avg(CASE WHEN angle_tok_res > 60 THEN 1.0 ELSE 0.0 END) AS frac_res_tok_angle_gt60,
+       {frac_res_angle_gt60},
+       {frac_res_tok_angle_gt60},
        avg(proj_full_m16) AS proj_full_m16,
        avg(proj_tok_m16) AS proj_tok_m16,
-       avg(proj_res_m16) AS proj_res_m16,
+       {proj_res_m16},
        any_value(m90_tok) AS m90_tok,
        any_value(model_layers) AS model_layers,
-       median(cos_full_tok_null) AS cos_full_tok_median_null,
-       median(cos_full_tok_map_null) AS cos_full_tok_map_median_null,
-       avg(CASE WHEN angle_full_res_null > 60 THEN 1.0 ELSE 0.0 END) AS frac_res_angle_gt60_null,
-       avg(CASE WHEN angle_tok_res_null > 60 THEN 1.0 ELSE 0.0 END) AS frac_res_tok_angle_gt60_null,
-       avg(proj_null_m16) AS proj_res_m16_null
-FROM {geometry}
+       {cos_full_tok_median_null},
+       {cos_full_tok_map_median_null},
+       {frac_res_angle_gt60_null},
+       {frac_res_tok_angle_gt60_null},
+       {proj_res_m16_null}
+FROM {{geometry}}
 GROUP BY model, layer, fn_class, config_id
-"""
+""".format(**{name: f"{aggregate_sql(column, how)} AS {name}" for name, column, how in GEOMETRY_STATISTIC_DEFS})
 
 LAYER_SUMMARY_FUNCTIONAL = """
 SELECT model, layer, fn_class, config_id,

@@ -19,7 +19,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from updatelens.findings import GEOMETRY_STATISTIC_DEFS, GEOMETRY_STATISTICS
+from updatelens.findings import ANGLE_GT, GEOMETRY_STATISTIC_DEFS, GEOMETRY_STATISTICS
 from updatelens.threads import per_core_map
 
 
@@ -160,9 +160,11 @@ def geometry_replicates(seq: np.ndarray, metrics: dict[str, np.ndarray], counts:
             elif how == "median":
                 out[name].append(weighted_median(metrics[column], w))
             elif how == "share_gt60":
-                out[name].append(weighted_mean((metrics[column] > 60).astype(np.float64), w))
-            else:
+                out[name].append(weighted_mean((metrics[column] > ANGLE_GT).astype(np.float64), w))
+            elif how == "mean":
                 out[name].append(weighted_mean(metrics[column], w))
+            else:
+                raise ValueError(f"unknown aggregate {how!r} for {name!r}: median, share_gt60 or mean")
     return {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in out.items()}
 
 

@@ -51,6 +51,19 @@ GEOMETRY_STATISTIC_DEFS: tuple[tuple[str, str, str], ...] = (
     ("proj_res_m16_null", "proj_null_m16", "mean"),
 )
 GEOMETRY_STATISTICS: tuple[str, ...] = tuple(name for name, _, _ in GEOMETRY_STATISTIC_DEFS)
+ANGLE_GT = 60  # degrees: `share_gt60` is the share of tokens whose angle exceeds it (the paper's "> 60°")
+
+
+def aggregate_sql(column: str, how: str) -> str:
+    """The SQL aggregate of one GEOMETRY_STATISTIC_DEFS entry over a layer's token rows: the point
+    estimate the bootstrap (`bootstrap.geometry_replicates`) recomputes with resample weights."""
+    if how == "median":
+        return f"median({column})"
+    if how == "share_gt60":
+        return f"avg(CASE WHEN {column} > {ANGLE_GT} THEN 1.0 ELSE 0.0 END)"
+    if how == "mean":
+        return f"avg({column})"
+    raise ValueError(f"unknown aggregate {how!r} for {column!r}: median, share_gt60 or mean")
 TOKEN_STATISTICS: tuple[str, ...] = tuple(dict.fromkeys(column for _, column, _ in GEOMETRY_STATISTIC_DEFS))
 
 

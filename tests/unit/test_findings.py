@@ -535,3 +535,35 @@ def test_results_of_an_older_version_without_a_new_column_leave_the_derived_view
     views = catalog.refresh(tmp_path)
     assert "geometry" in views and "layer_summary" not in views and "findings" not in views
     assert catalog.query(tmp_path, "SELECT count(*) AS n FROM geometry")["n"][0] == LAYERS * len(CLASSES) * TOKENS
+
+
+def test_each_layer_statistic_is_one_definition_the_point_is_the_resample_with_unit_weights(tmp_path: Path) -> None:
+    """`layer_summary`'s statistics of the findings are rendered from findings.GEOMETRY_STATISTIC_DEFS,
+    which the bootstrap recomputes on every resample: with unit weights the resample is the point,
+    for an odd token count (the fixture's 5) and an even one (6, where the median interpolates)."""
+    from updatelens.bootstrap import geometry_replicates
+
+    fixture(tmp_path)
+    columns = sorted({column for _, column, _ in findings.GEOMETRY_STATISTIC_DEFS})
+    summary = catalog.query(tmp_path, "SELECT * FROM layer_summary ORDER BY layer, fn_class").to_dicts()
+    assert len(summary) == LAYERS * len(CLASSES)
+    for row in summary:
+        tokens = catalog.query(tmp_path, f"SELECT {', '.join(columns)} FROM geometry WHERE layer = $1 AND fn_class = $2",
+                               [row["layer"], row["fn_class"]])
+        metrics = {c: tokens[c].to_numpy() for c in columns}
+        resample = geometry_replicates(np.zeros(len(tokens), np.int64), metrics, np.ones((1, 1)))
+        for name in GEOMETRY_STATISTICS:
+            assert resample[name][0] == pytest.approx(row[name], abs=1e-12), (name, row["layer"])
+    rng = np.random.default_rng(1)
+    even = {c: rng.uniform(0, 120, 6) for c in columns}
+    con = duckdb.connect()
+    con.register("tokens", pa.table(even))
+    point = con.execute("SELECT " + ", ".join(f"{findings.aggregate_sql(column, how)} AS {name}"
+                                              for name, column, how in findings.GEOMETRY_STATISTIC_DEFS)
+                        + " FROM tokens").fetchone()
+    resample = geometry_replicates(np.repeat([0, 1], 3), even, np.ones((1, 2)))
+    assert point is not None
+    for name, value in zip(GEOMETRY_STATISTICS, point):
+        assert resample[name][0] == pytest.approx(value, abs=1e-12), name
+    with pytest.raises(ValueError, match="unknown aggregate 'mode'"):
+        findings.aggregate_sql("rel_err", "mode")
