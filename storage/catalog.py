@@ -386,15 +386,27 @@ ORDER BY model, config_id, finding
 # Where they sampled different documents, resample b of one is set against resample b + 1 of the
 # other (independent draws: the same draw by position would tie unrelated documents together).
 # Where the documents are not stored (no activations), the resamples are paired by number and
-# `same_documents` is NULL. Where a paper's claim says which model should be higher (the larger
-# model's Spearman in finding 4; the smaller model's diagonal-lowrank gap in finding 5), the
-# interval says whether the two models separate.
+# `same_documents` is NULL. A finding read from delete-a-group jackknife replicates (finding 3) has no
+# bootstrap resamples: with the same documents, group g of one model is set against group g of the
+# other (the same documents left out: a paired jackknife of the difference); with different
+# documents, the two jackknife half-widths add in quadrature (independent samples); either interval
+# is centred on the difference of the points, as the findings' own jackknife intervals are. Where a paper's
+# claim says which model should be higher (the larger model's Spearman in finding 4; the smaller
+# model's diagonal-lowrank gap in finding 5), the interval says whether the two models separate.
 ACROSS_MODELS_SQL = """
 CREATE OR REPLACE VIEW findings_across_models AS
 WITH best AS (SELECT model, config_id, fn_class, finding, value, ci_lo, ci_hi, verdict, n_layers FROM findings),
 reps AS (
     SELECT r.model, r.config_id, r.finding, r.replicate, r.value
     FROM finding_replicates r JOIN best USING (model, config_id, fn_class, finding) WHERE r.replicate >= 0
+),
+jack AS (
+    SELECT r.model, r.config_id, r.finding, r.replicate, r.value
+    FROM finding_replicates r JOIN best USING (model, config_id, fn_class, finding)
+    WHERE r.replicate <= {jackknife_first}
+),
+jack_one AS (
+    SELECT model, config_id, finding, {jk_value} AS half FROM jack GROUP BY ALL
 ),
 n_reps AS (SELECT model, config_id, finding, count(*) AS n FROM reps GROUP BY ALL),
 sampled AS ({sampled}),
@@ -406,24 +418,55 @@ pairs AS (
     FROM best a JOIN best b ON a.finding = b.finding AND a.model < b.model
     LEFT JOIN sampled sa ON sa.model = a.model AND sa.config_id = a.config_id
     LEFT JOIN sampled sb ON sb.model = b.model AND sb.config_id = b.config_id
+),
+boot AS (
+    SELECT p.finding, p.model, p.config_id, p.model_b, p.config_b,
+           quantile_cont(ra.value - rb.value, 0.025) AS lo, quantile_cont(ra.value - rb.value, 0.975) AS hi,
+           count(rb.value) AS n_resamples
+    FROM pairs p
+    JOIN reps ra ON ra.model = p.model AND ra.config_id = p.config_id AND ra.finding = p.finding
+    JOIN n_reps nb ON nb.model = p.model_b AND nb.config_id = p.config_b AND nb.finding = p.finding
+    JOIN reps rb ON rb.model = p.model_b AND rb.config_id = p.config_b AND rb.finding = p.finding
+                AND rb.replicate = CASE WHEN p.same_documents IS DISTINCT FROM false THEN ra.replicate
+                                        ELSE (ra.replicate + 1) % nb.n END
+    GROUP BY ALL
+),
+jack_paired AS (  -- group g against group g: only where both models left out the same documents
+    SELECT p.finding, p.model, p.config_id, p.model_b, p.config_b,
+           {jk_diff} AS half
+    FROM pairs p
+    JOIN jack ja ON ja.model = p.model AND ja.config_id = p.config_id AND ja.finding = p.finding
+    JOIN jack jb ON jb.model = p.model_b AND jb.config_id = p.config_b AND jb.finding = p.finding
+                AND jb.replicate = ja.replicate
+    WHERE p.same_documents IS DISTINCT FROM false
+    GROUP BY ALL
 )
 SELECT p.finding, p.model AS model_a, p.config_id AS config_a, p.fn_class AS class_a, p.n_layers AS layers_a,
        p.value AS value_a, p.ci_lo AS ci_lo_a, p.ci_hi AS ci_hi_a, p.verdict AS verdict_a,
        p.model_b, p.config_b, p.class_b, p.layers_b, p.value_b, p.ci_lo_b, p.ci_hi_b, p.verdict_b,
        p.value - p.value_b AS diff,
-       quantile_cont(ra.value - rb.value, 0.025) AS diff_ci_lo,
-       quantile_cont(ra.value - rb.value, 0.975) AS diff_ci_hi,
-       count(rb.value) AS n_resamples, p.same_documents,
-       CASE WHEN p.same_documents IS NULL THEN 'by resample number (documents not stored)'
-            WHEN p.same_documents THEN 'paired (same documents)'
-            ELSE 'independent (different documents)' END AS resampling
+       CASE WHEN bt.n_resamples > 0 THEN bt.lo
+            WHEN p.same_documents IS DISTINCT FROM false THEN p.value - p.value_b - jp.half
+            ELSE p.value - p.value_b - sqrt(ja.half ^ 2 + jb.half ^ 2) END AS diff_ci_lo,
+       CASE WHEN bt.n_resamples > 0 THEN bt.hi
+            WHEN p.same_documents IS DISTINCT FROM false THEN p.value - p.value_b + jp.half
+            ELSE p.value - p.value_b + sqrt(ja.half ^ 2 + jb.half ^ 2) END AS diff_ci_hi,
+       coalesce(bt.n_resamples, 0) AS n_resamples, p.same_documents,
+       CASE WHEN bt.n_resamples > 0 THEN
+                CASE WHEN p.same_documents IS NULL THEN 'by resample number (documents not stored)'
+                     WHEN p.same_documents THEN 'paired (same documents)'
+                     ELSE 'independent (different documents)' END
+            WHEN ja.half IS NULL OR jb.half IS NULL THEN NULL
+            WHEN p.same_documents IS NULL THEN 'jackknife by group number (documents not stored)'
+            WHEN p.same_documents THEN 'paired jackknife (same documents)'
+            ELSE 'independent jackknifes (different documents)' END AS resampling
 FROM pairs p
-LEFT JOIN reps ra ON ra.model = p.model AND ra.config_id = p.config_id AND ra.finding = p.finding
-LEFT JOIN n_reps nb ON nb.model = p.model_b AND nb.config_id = p.config_b AND nb.finding = p.finding
-LEFT JOIN reps rb ON rb.model = p.model_b AND rb.config_id = p.config_b AND rb.finding = p.finding
-                 AND rb.replicate = CASE WHEN p.same_documents IS DISTINCT FROM false THEN ra.replicate
-                                         ELSE (ra.replicate + 1) % nb.n END
-GROUP BY ALL
+LEFT JOIN boot bt ON bt.finding = p.finding AND bt.model = p.model AND bt.config_id = p.config_id
+                 AND bt.model_b = p.model_b AND bt.config_b = p.config_b
+LEFT JOIN jack_paired jp ON jp.finding = p.finding AND jp.model = p.model AND jp.config_id = p.config_id
+                        AND jp.model_b = p.model_b AND jp.config_b = p.config_b
+LEFT JOIN jack_one ja ON ja.model = p.model AND ja.config_id = p.config_id AND ja.finding = p.finding
+LEFT JOIN jack_one jb ON jb.model = p.model_b AND jb.config_id = p.config_b AND jb.finding = p.finding
 ORDER BY p.finding, model_a, p.model_b
 """
 # the documents each (model, configuration) sampled, window by window, from the stored activations
@@ -851,7 +894,9 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[lis
     views += ([f"conv_{t}" for t in PLAIN_TABLES if t in converged] + conv_control_views
               + _create_family(con, converged, "conv_", conv_controls))
     if "findings" in views:
-        con.execute(ACROSS_MODELS_SQL.format(sampled=SAMPLED_SQL if "activations" in views else NO_SAMPLED_SQL))
+        con.execute(ACROSS_MODELS_SQL.format(sampled=SAMPLED_SQL if "activations" in views else NO_SAMPLED_SQL,
+                                             jackknife_first=JACKKNIFE_FIRST, jk_value=jackknife_half_width("value"),
+                                             jk_diff=jackknife_half_width("ja.value - jb.value", "ja.replicate")))
         views.append("findings_across_models")
     else:
         con.execute("DROP VIEW IF EXISTS findings_across_models")

@@ -523,6 +523,43 @@ def test_findings_across_models_pair_resamples_only_where_the_models_sampled_the
     assert other["diff_ci_hi"] == pytest.approx(np.quantile(a - np.roll(b, -1), 0.975)) and other["n_resamples"] == 40
 
 
+def test_findings_across_models_give_the_jackknife_finding_an_interval_paired_or_independent(tmp_path: Path) -> None:
+    """Finding 3 is read from delete-a-group jackknife replicates (no bootstrap resamples): across models
+    its difference gets the jackknife interval of the paired difference (group g against group g) where
+    the documents are the same or not stored, and the two half-widths in quadrature where they differ;
+    centred on the difference of the points."""
+    test_findings_across_models_pair_resamples_only_where_the_models_sampled_the_same_documents(tmp_path)
+    t = scipy.stats.t.ppf(0.975, N_JACK - 1)
+
+    def half(values: np.ndarray) -> float:
+        return float(t * np.sqrt((N_JACK - 1) / N_JACK * ((values - values.mean()) ** 2).sum()))
+
+    def jack(model: str, fn_class: str) -> np.ndarray:
+        return catalog.query(tmp_path, "SELECT value FROM finding_replicates WHERE model = $1 AND finding = '3' "
+                                       f"AND fn_class = $2 AND replicate <= {findings.JACKKNIFE_FIRST} "
+                                       "ORDER BY replicate DESC", [model, fn_class])["value"].to_numpy()
+
+    def row() -> dict:
+        return catalog.query(tmp_path, "SELECT * FROM findings_across_models WHERE finding = '3'").to_dicts()[0]
+
+    different = row()  # the last state of the test above: model n sampled another article
+    a, b = jack("m", different["class_a"]), jack("n", different["class_b"])
+    assert len(a) == len(b) == N_JACK and different["n_resamples"] == 0
+    diff = different["value_a"] - different["value_b"]
+    assert different["diff"] == pytest.approx(diff)
+    width = np.hypot(half(a), half(b))
+    assert different["resampling"] == "independent jackknifes (different documents)"
+    assert different["diff_ci_lo"] == pytest.approx(diff - width) and different["diff_ci_hi"] == pytest.approx(diff + width)
+    for layer in range(LAYERS):  # the same documents again
+        write_partition(tmp_path, "activations", "n", layer, pa.table({
+            "model": ["n"] * 4, "layer": pa.array([layer] * 4, pa.int32()), "config_id": ["c1"] * 4,
+            "corpus": ["wiki"] * 4, "seq": pa.array(range(4), pa.int32()), "doc": pa.array(range(4), pa.int32())}))
+    same = row()
+    assert same["resampling"] == "paired jackknife (same documents)" and same["same_documents"] is True
+    assert same["diff_ci_lo"] == pytest.approx(diff - half(a - b)) and same["diff_ci_hi"] == pytest.approx(diff + half(a - b))
+    assert half(a - b) != pytest.approx(width)  # the pairing is read, not the quadrature
+
+
 def test_results_of_an_older_version_without_a_new_column_leave_the_derived_views_out(tmp_path: Path) -> None:
     """While a rerun replaces stale results, files that predate a column the views read must not
     break the catalog (every stage refreshes it): the per-table views answer, the derived ones wait."""
