@@ -98,7 +98,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_verdicts,
         contiguous_ranges,
         failure_message,
-        materialize_layers_distributed,
         materialize_model,
         project_dagster_home,
         stale_layers,
@@ -136,6 +135,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     failures: list[str] = []
     with dg.DagsterInstance.get() as instance:  # entering makes it the current instance for Dagster
         if profile.per_layer_runs and todo:
+            from updatelens.orchestration.distributed import materialize_layers_distributed
+
             print(f"profile {profile.name}: one run per layer for {len(todo)} layers, {args.max_runs} at a time",
                   flush=True)
             for run in materialize_layers_distributed(args.model, lens, instance, todo, args.max_runs, report=report):

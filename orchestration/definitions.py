@@ -1,4 +1,5 @@
-"""The code location: assembles Definitions only (loaded by workspace.yaml)."""
+"""The code location: assembles Definitions only (loaded by workspace.yaml). `defs` is Dagster's lazy
+entry point: importing this module builds nothing; Dagster's tools (and the tests) call it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from updatelens.orchestration.jobs import JOBS
 from updatelens.orchestration.schedules import stale_partitions_schedule
 from updatelens.orchestration.sensors import model_registry_sensor, reports_after_analysis, stage_automation_sensor
 
-__all__ = ["ASSETS", "build_defs", "defs"]
+__all__ = ["ASSETS", "build_defs", "defs"]  # ASSETS: what the tests materialize
 
 
 def build_defs(profile: Profile) -> dg.Definitions:
@@ -27,4 +28,6 @@ def build_defs(profile: Profile) -> dg.Definitions:
     )
 
 
-defs = build_defs(active_profile())  # $UPDATELENS_PROFILE: local, celery or k8s
+@dg.definitions
+def defs() -> dg.Definitions:
+    return build_defs(active_profile())  # $UPDATELENS_PROFILE: local, celery or k8s

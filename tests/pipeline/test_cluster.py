@@ -19,7 +19,8 @@ from tests.zoo import N_LAYERS
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
 from updatelens.assets.routing import CPU_QUEUE, GPU_QUEUE
 from updatelens.findings import FINDINGS
-from updatelens.orchestration.runner import check_verdicts, dagster_yaml, materialize_layers_distributed, materialize_model
+from updatelens.orchestration.distributed import materialize_layers_distributed
+from updatelens.orchestration.runner import check_verdicts, dagster_yaml, materialize_model
 from updatelens.stages import TABLES
 from updatelens.storage import catalog
 

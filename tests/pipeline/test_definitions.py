@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dagster as dg
 
-from updatelens.orchestration.definitions import defs
+from updatelens.orchestration.definitions import defs as load_defs
+
+defs = load_defs()  # the code location, as Dagster's tools load it
 
 LINEAGE = {
     "activations": set(),
@@ -67,7 +69,7 @@ def test_deployment_profiles_select_the_executor_and_route_steps(monkeypatch) ->
     from updatelens.errors import ConfigError
     from updatelens.orchestration.definitions import build_defs
     from updatelens.orchestration.deployments import active_profile
-    from updatelens.orchestration.runner import analyse_job
+    from updatelens.orchestration.distributed import analyse_job
 
     expected = {"local": "multiprocess", "celery": "celery", "k8s": "k8s"}
     for name, executor in expected.items():

@@ -17,12 +17,15 @@ from updatelens.assets.partitions import (
     model_keys,
 )
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
-from updatelens.orchestration.definitions import ASSETS, defs
+from updatelens.orchestration.definitions import ASSETS
+from updatelens.orchestration.definitions import defs as load_defs
 from updatelens.orchestration.runner import dagster_yaml, materialize_model
 from updatelens.orchestration.schedules import stale_partitions_schedule
 from updatelens.orchestration.sensors import model_registry_sensor, reports_after_analysis
 from updatelens.stages import STAGE_NAMES
 from updatelens.storage.layout import delete_partition
+
+defs = load_defs()  # the code location, as Dagster's tools load it
 
 SETTINGS = dict(n_seq=6, seq_len=16, k=8, rank=2)
 

@@ -143,3 +143,65 @@ def test_the_code_version_ignores_comments_and_docstrings_but_not_code() -> None
     assert _code_of(base) == _code_of(b'"""Modul, fixed."""\n\n\ndef f(x):\n    """Dco."""\n    return x + 1\n')
     assert _code_of(base) != _code_of(base.replace(b"x + 1", b"x + 2"))
     assert _code_of(base) != _code_of(base.replace(b"return x + 1", b"y = x\n    return x + 1"))
+
+
+def module_imports(folder: Path, package: str) -> dict[str, set[str]]:
+    """For each module of `folder` (imported as `package`.<name>): the modules of the same folder it
+    imports, at any depth (a function-level import closes a cycle as surely as a top-level one)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(folder.glob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+        graph[path.stem] = {n.removeprefix(package + ".").split(".")[0] for n in names if n.startswith(package + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `graph`, each as the path that returns to its start."""
+    found: list[list[str]] = []
+
+    def walk(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == path[0]:
+                found.append([*path, nxt])
+            elif nxt not in path and nxt > path[0]:  # each cycle once, from its smallest module
+                walk(nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        walk(start, [start])
+    return found
+
+
+def test_the_orchestration_modules_import_without_cycles(tmp_path: Path) -> None:
+    graph = module_imports(REPO / "orchestration", "updatelens.orchestration")
+    assert "definitions" in graph and "runner" in graph
+    assert cycles(graph) == []
+    # the check sees a cycle closed inside a function
+    (tmp_path / "a.py").write_text("from pkg.b import x\n")
+    (tmp_path / "b.py").write_text("def f():\n    from pkg.a import y\n")
+    assert cycles(module_imports(tmp_path, "pkg")) == [["a", "b", "a"]]
+
+
+def test_importing_the_code_location_builds_nothing() -> None:
+    """`defs` is Dagster's lazy entry point: the module imports without constructing Definitions
+    (workers and tools that import it pay nothing); calling it builds the code location."""
+    probe = """
+import dagster as dg
+built = []
+original = dg.Definitions
+def counting(*args, **kwargs):
+    built.append(1)
+    return original(*args, **kwargs)
+dg.Definitions = counting
+import updatelens.orchestration.definitions as location
+assert built == [], built
+assert location.defs().resolve_job_def("analyse").name == "analyse"
+assert built, "calling defs() builds the definitions"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
