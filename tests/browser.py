@@ -35,6 +35,10 @@ DEEP_COUNT = """(() => { let count = 0;
   const walk = (n) => { if (n.querySelectorAll) count += n.querySelectorAll(SELECTOR).length;
     n.querySelectorAll && n.querySelectorAll('*').forEach((e) => { if (e.shadowRoot) walk(e.shadowRoot); }); };
   walk(document); return count; })()"""
+DEEP_STYLES = """(() => { const out = [];
+  const walk = (n) => { if (n.querySelectorAll) n.querySelectorAll(SELECTOR).forEach((e) => out.push(getComputedStyle(e)[PROP]));
+    n.querySelectorAll && n.querySelectorAll('*').forEach((e) => { if (e.shadowRoot) walk(e.shadowRoot); }); };
+  walk(document); return out; })()"""
 
 
 class Page:
@@ -62,6 +66,12 @@ class Page:
     def count(self, selector: str) -> int:
         """Elements matching `selector`, in the document and every shadow root."""
         return int(self.evaluate(DEEP_COUNT.replace("SELECTOR", json.dumps(selector))) or 0)
+
+    def styles(self, selector: str, prop: str) -> list[str]:
+        """The computed `prop` (e.g. "backgroundColor") of every element matching `selector`, in the
+        document and every shadow root."""
+        script = DEEP_STYLES.replace("SELECTOR", json.dumps(selector)).replace("PROP", json.dumps(prop))
+        return [str(v) for v in (self.evaluate(script) or [])]
 
     def wait_for(self, ready: Callable[[str], bool], timeout: float = 120.0) -> str:
         """The page's text (`text`) once `ready(text)` holds; TimeoutError with the last text otherwise."""

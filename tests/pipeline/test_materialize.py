@@ -151,6 +151,7 @@ def test_the_served_notebook_opens_with_its_answers(run, tmp_path: Path) -> None
 
     from tests.browser import open_page
     from tests.pipeline.test_webserver import REPO, free_port
+    from updatelens.reports.build import VERDICTS
 
     lens, _ = run
     port = free_port()
@@ -166,6 +167,10 @@ def test_the_served_notebook_opens_with_its_answers(run, tmp_path: Path) -> None
             page.wait_for(lambda t: all(w in t for w in wanted), 180)
             # the layer curves and the error-against-KL plot drawn
             page.wait_for(lambda _: page.count("canvas, svg.marks") >= 2, 60)
+            # the verdicts coloured as in the reports (the reports' table style reaches the notebook)
+            verdict_cells = ", ".join(f'td[class="{v}"]' for v in VERDICTS)
+            colours = page.styles(verdict_cells, "backgroundColor")
+            assert colours and all(c not in ("rgba(0, 0, 0, 0)", "rgb(255, 255, 255)") for c in colours), colours
             page.screenshot(tmp_path / "notebook.png")
         proc.send_signal(signal.SIGTERM)  # to `updatelens notebook` alone: it passes the signal on to marimo
         proc.wait(timeout=30)
