@@ -84,3 +84,74 @@ def test_asset_graph_and_partitions_pages_render_in_chromium(tmp_path: Path) -> 
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+CLICK = """((label) => { const found = [...document.querySelectorAll('button, a')]
+    .filter((e) => e.textContent.trim().startsWith(label));
+  if (!found.length) return null; found[0].click(); return found[0].textContent.trim(); })(LABEL)"""
+CHOOSE = """((label) => { const found = [...document.querySelectorAll('button, label, span, div')]
+    .filter((e) => e.children.length === 0 && e.textContent.trim() === label);
+  if (!found.length) return null; found[0].click(); return label; })(LABEL)"""
+
+
+@pytest.mark.needs_tool(("chromium", "chromium-browser"), "apt-get install chromium")
+def test_partitions_launched_by_clicking_in_the_ui_are_followed_by_their_report(zoo: Path, tmp_path: Path) -> None:
+    """`updatelens ui` on a fresh root with a registry model never run there: the registry sensor adds
+    its partitions and launches nothing; a person opens the analyse job in the browser, clicks
+    "Materialize all", picks all partitions and "Launch backfill"; the run succeeds and is followed by
+    the model's report and the comparison, written under the root."""
+    import json
+
+    from tests.browser import open_page
+    from tests.pipeline.test_orchestration import write_registry
+
+    registry = write_registry(tmp_path / "registry.toml", zoo, ["tiny-gpt2"])
+    data = tmp_path / "data"
+    env = dict(os.environ, DAGSTER_HOME=str(tmp_path / "home"), UPDATELENS_REGISTRY=str(registry),
+               UPDATELENS_DATA=str(data), HF_HUB_OFFLINE="1",
+               UPDATELENS_SETTINGS=json.dumps({"n_seq": 6, "seq_len": 16, "k": 8, "rank": 2, "bootstrap": 10,
+                                               "jackknife_groups": 3}))
+    port = free_port()
+    log = tmp_path / "ui.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "updatelens.orchestration.cli", "ui", "--port", str(port)],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    runs_query = "{ runsOrError { ... on Runs { results { jobName status } } } }"
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, f"updatelens ui exited: {log.read_text()[-2000:]}"
+            try:
+                graphql(port, "{ version }")
+                break
+            except OSError:
+                assert time.time() < deadline, f"the UI did not answer in 180 s: {log.read_text()[-2000:]}"
+                time.sleep(1)
+        deadline = time.time() + 120
+        keys: list[str] = []
+        while not keys and time.time() < deadline:  # the registry sensor's first tick adds the partitions
+            nodes = graphql(port, "{ assetNodes { assetKey { path } partitionKeys } }")["data"]["assetNodes"]
+            keys = next(n["partitionKeys"] for n in nodes if n["assetKey"]["path"] == ["activations"])
+            time.sleep(2)
+        assert keys == model_keys("tiny-gpt2", 3)
+        assert graphql(port, runs_query)["data"]["runsOrError"]["results"] == []  # opening launched nothing
+        location = location_name(data)
+        with open_page(f"http://127.0.0.1:{port}/locations/{location}/jobs/analyse", tmp_path / "profile") as page:
+            page.wait_for(lambda text: "Materialize all" in text, 120)
+            assert page.evaluate(CLICK.replace("LABEL", json.dumps("Materialize all"))) is not None
+            page.wait_for(lambda text: "Partition selection" in text, 60)
+            assert page.evaluate(CHOOSE.replace("LABEL", json.dumps("All"))) == "All"
+            page.wait_for(lambda text: "3 partitions" in text, 30)
+            assert page.evaluate(CLICK.replace("LABEL", json.dumps("Launch backfill"))) == "Launch backfill"
+            deadline, jobs = time.time() + 420, {}
+            while time.time() < deadline:
+                jobs = {r["jobName"]: r["status"] for r in graphql(port, runs_query)["data"]["runsOrError"]["results"]}
+                if jobs.get("analyse") == "FAILURE" or (jobs.get("build_report") == "SUCCESS"
+                                                        and jobs.get("build_comparison") == "SUCCESS"):
+                    break
+                time.sleep(3)
+        assert jobs == {"analyse": "SUCCESS", "build_report": "SUCCESS", "build_comparison": "SUCCESS"}, jobs
+        assert (data / "reports" / "tiny-gpt2" / "index.html").is_file()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
