@@ -15,6 +15,7 @@ from updatelens.assets.partitions import (
     ASSET_PARTITION_RANGE_START_TAG,
     MODEL_LAYER,
     model_keys,
+    range_tags,
 )
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
 from updatelens.orchestration.definitions import ASSETS
@@ -219,3 +220,34 @@ def test_the_run_tags_the_product_writes_are_dagsters_own() -> None:
     assert partitions.PARTITION_NAME_TAG == tags.PARTITION_NAME_TAG
     assert partitions.ASSET_PARTITION_RANGE_START_TAG == tags.ASSET_PARTITION_RANGE_START_TAG
     assert partitions.ASSET_PARTITION_RANGE_END_TAG == tags.ASSET_PARTITION_RANGE_END_TAG
+
+
+def test_reports_follow_every_kind_of_run_that_materialized_a_stage() -> None:
+    """Which successful runs the reports sensor follows, launch path by launch path: the analyse job
+    (and a backfill of it), a stage job, the UI's Materialize button and automation (Dagster's implicit
+    asset job with a selection naming a stage), an in-process materialize (no selection), over one key
+    or a key range; not a report or comparison run, nor a run of stages' neighbours only (calibrate)."""
+    from updatelens.orchestration.sensors import analysed_stages, models_of_run
+
+    one = {"dagster/partition": "tiny-gpt2:01"}
+    span = range_tags(model_keys("tiny-llama", 3))
+    stage = {dg.AssetKey("geometry")}
+    runs = {
+        "analyse job, a key range": (dg.DagsterRun(job_name="analyse", tags=span), True, ["tiny-llama"]),
+        "stage job": (dg.DagsterRun(job_name="stage_geometry", asset_selection=stage, tags=one), True, ["tiny-gpt2"]),
+        "Materialize button": (dg.DagsterRun(job_name="__ASSET_JOB", asset_selection=stage, tags=one), True,
+                               ["tiny-gpt2"]),
+        "automation": (dg.DagsterRun(job_name="__ASSET_JOB", asset_selection={dg.AssetKey("residuals")},
+                                     tags={**span, "dagster/from_automation_condition_evaluation": "true"}), True,
+                       ["tiny-llama"]),
+        "dg.materialize": (dg.DagsterRun(job_name="__ephemeral_asset_job__", asset_selection=set(), tags=one), True,
+                           ["tiny-gpt2"]),
+        "report": (dg.DagsterRun(job_name="build_report", tags={"dagster/partition": "tiny-gpt2"}), False, []),
+        "comparison": (dg.DagsterRun(job_name="build_comparison"), False, []),
+        "the report asset from the button": (dg.DagsterRun(job_name="__ASSET_JOB", asset_selection={dg.AssetKey("report")},
+                                                           tags={"dagster/partition": "tiny-gpt2"}), False, []),
+        "calibrate (no partitions)": (dg.DagsterRun(job_name="calibrate"), True, []),
+    }
+    for name, (run, analysed, models) in runs.items():
+        assert analysed_stages(run) == analysed, name
+        assert (models_of_run(dict(run.tags)) if analysed else []) == models, name
