@@ -100,6 +100,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         failure_message,
         materialize_model,
         project_dagster_home,
+        release_dead_runs,
         stale_layers,
     )
 
@@ -134,6 +135,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     checks: list[tuple[str, bool, str]] = []  # (asset.check, passed, description)
     failures: list[str] = []
     with dg.DagsterInstance.get() as instance:  # entering makes it the current instance for Dagster
+        for run_id in release_dead_runs(instance):
+            print(f"run {run_id} was killed before it ended: marked failed, its pool slot freed", flush=True)
         if profile.per_layer_runs and todo:
             from updatelens.orchestration.distributed import materialize_layers_distributed
 

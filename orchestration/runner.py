@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -125,6 +126,47 @@ def check_inputs(model: str, lens: UpdateLensResource, layers: Sequence[int] | N
                      layers, preset)
 
 
+# Runs executed in this process carry the process that executes them, so a later command can tell a
+# run whose process was killed (it stays STARTED, holding its pool slot) from one still going.
+PID_TAG, HOST_TAG = "updatelens/pid", "updatelens/host"
+UNFINISHED = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+
+
+def in_process_tags() -> dict[str, str]:
+    return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def release_dead_runs(instance: dg.DagsterInstance) -> list[str]:
+    """Runs of this instance executed in a process of this host that is gone (a killed `updatelens
+    run`): marked failed, and their pool slots freed. Left alone, such a run holds the `model` pool's
+    slot for ever and every later run waits on it ("Step blocked by limit for pool model"). A run
+    launched elsewhere (the UI's daemon, a worker) is left to Dagster's run monitoring. Returns the
+    ids released."""
+    released = []
+    host = socket.gethostname()
+    for record in instance.get_run_records(filters=dg.RunsFilter(statuses=UNFINISHED, tags={HOST_TAG: host})):
+        run = record.dagster_run
+        pid = run.tags.get(PID_TAG, "")
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        instance.report_run_failed(run, f"its process (pid {pid} on {host}) is gone: it was killed before the run "
+                                        "ended; marked failed and its pool slots freed by the next command")
+        if instance.event_log_storage.supports_global_concurrency_limits:
+            instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+        released.append(run.run_id)
+    return released
+
+
 def materialize_model(model: str, lens: UpdateLensResource, instance: dg.DagsterInstance,
                       layers: Sequence[int] | None = None,
                       selection: Sequence[dg.AssetsDefinition] | None = None,
@@ -137,11 +179,12 @@ def materialize_model(model: str, lens: UpdateLensResource, instance: dg.Dagster
     chosen = list(range(report.n_layers)) if layers is None else sorted(set(layers))
     if len(contiguous_ranges(chosen)) != 1:
         raise ConfigError("layers must be a contiguous range (e.g. 3-7) for a single run")
+    release_dead_runs(instance)
     return dg.materialize(
         list(selection or ASSETS),
         instance=instance,
         resources={"lens": lens},
-        tags=range_tags([keys[layer] for layer in chosen]),
+        tags={**range_tags([keys[layer] for layer in chosen]), **in_process_tags()},
         run_config=log_config(log_level),
         raise_on_error=raise_on_error,
     )
@@ -179,13 +222,14 @@ def materialize_reports(models: Sequence[str], lens: UpdateLensResource, instanc
                         comparison: bool = True, raise_on_error: bool = True) -> list[dg.ExecuteInJobResult]:
     """Each model's report (from stored results), then the comparison across all models."""
     results = []
+    release_dead_runs(instance)
     for model in models:
         register_model_key(instance, model)
-        results.append(dg.materialize([report], instance=instance, resources={"lens": lens},
+        results.append(dg.materialize([report], instance=instance, resources={"lens": lens}, tags=in_process_tags(),
                                       partition_key=model, raise_on_error=raise_on_error))
     if comparison:
         results.append(dg.materialize([comparison_report], instance=instance, resources={"lens": lens},
-                                      raise_on_error=raise_on_error))
+                                      tags=in_process_tags(), raise_on_error=raise_on_error))
     return results
 
 
@@ -193,6 +237,8 @@ def materialize_sweep(model: str, lens: UpdateLensResource, instance: dg.Dagster
                       sweep_config: dict[str, object] | None = None, raise_on_error: bool = True) -> dg.ExecuteInJobResult:
     """The model's convention sweep (loads the model once, analyses every configuration)."""
     register_model_key(instance, model)
+    release_dead_runs(instance)
     return dg.materialize([convention_sweep], instance=instance, resources={"lens": lens}, partition_key=model,
+                          tags=in_process_tags(),
                           run_config={"ops": {"convention_sweep": {"config": sweep_config or {}}}},
                           raise_on_error=raise_on_error)

@@ -251,3 +251,41 @@ def test_reports_follow_every_kind_of_run_that_materialized_a_stage() -> None:
     for name, (run, analysed, models) in runs.items():
         assert analysed_stages(run) == analysed, name
         assert (models_of_run(dict(run.tags)) if analysed else []) == models, name
+
+
+def test_a_run_whose_process_was_killed_gives_back_its_pool_slot(tmp_path: Path) -> None:
+    """A killed `updatelens run` leaves its run STARTED with its step queued in the `model` pool, and
+    every later run waits on it for ever ("Step blocked by limit for pool model", seen in the fault
+    drill). The next command marks such a run failed and frees its slot; a run whose process lives
+    (this one) and a run launched elsewhere (no process tag: the UI's daemon, a worker) are left alone."""
+    import os
+    import socket
+    import subprocess
+
+    from updatelens.orchestration.runner import HOST_TAG, PID_TAG, release_dead_runs
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(dagster_yaml(1))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        storage = instance.event_log_storage
+        runs = {}
+        for name, tags in (("killed", {PID_TAG: str(gone.pid), HOST_TAG: socket.gethostname()}),
+                           ("alive", {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}),
+                           ("elsewhere", {})):
+            run = instance.add_run(dg.DagsterRun(job_name="analyse", status=dg.DagsterRunStatus.STARTED, tags=tags))
+            storage.claim_concurrency_slot("model", run.run_id, f"activations-{name}")
+            runs[name] = run.run_id
+
+        def queued() -> set[str]:
+            return {step.run_id for step in storage.get_concurrency_info("model").pending_steps}
+
+        assert queued() == set(runs.values())
+        assert release_dead_runs(instance) == [runs["killed"]]
+        assert queued() == {runs["alive"], runs["elsewhere"]}
+        status = {name: instance.get_run_by_id(run_id).status for name, run_id in runs.items()}
+        assert status == {"killed": dg.DagsterRunStatus.FAILURE, "alive": dg.DagsterRunStatus.STARTED,
+                          "elsewhere": dg.DagsterRunStatus.STARTED}
+        assert release_dead_runs(instance) == []
