@@ -44,6 +44,37 @@ FROM findings WHERE list_contains($1, model) ORDER BY model, config_id, finding
 """
 
 
+def _held_configurations(lens: UpdateLensResource, model: str, layers: list[int]) -> dict[int, str]:
+    """The configuration each of `layers` holds now (from its activations partition), where one is stored."""
+    held: dict[int, str] = {}
+    for layer in layers:
+        part = lens.store.partition("activations", model, layer)
+        if part.exists():
+            ids = part.read(columns=["config_id"])["config_id"]
+            if len(ids):
+                held[layer] = str(ids[0].as_py())
+    return held
+
+
+def _say_replaced(lens: UpdateLensResource, model: str, config_id: str, held: dict[int, str], n_layers: int) -> None:
+    """After a run that rewrote layers holding another configuration: which, and what each configuration's
+    findings now cover (a layer holds one configuration; a finding over fewer layers than it needs is
+    'not measured')."""
+    replaced: dict[str, list[int]] = {}
+    for layer, old in sorted(held.items()):
+        if old != config_id:
+            replaced.setdefault(old, []).append(layer)
+    if not replaced:
+        return
+    counts = lens.store.query("SELECT config_id, count(DISTINCT layer) AS n FROM layer_summary WHERE model = $1 "
+                              "GROUP BY config_id ORDER BY n DESC, config_id", [model])
+    cover = "; ".join(f"{c}: {n} of {n_layers} layers" for c, n in counts.iter_rows())
+    for old, layers in replaced.items():
+        print(f"\nnote: layer(s) {','.join(map(str, layers))} held configuration {old} and now hold {config_id}; "
+              f"each configuration's findings cover only the layers it holds ({cover}), and a finding that "
+              f"aggregates over fewer layers than it needs is 'not measured'")
+
+
 def _parse_layers(text: str | None) -> list[int] | None:
     """"3-7", "0,15,29" or "3-7,10" -> sorted layers; None when not given. ValueError naming the bad
     part: an empty list, a part that is no layer, a reversed range."""
@@ -132,6 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     todo = wanted if args.force else stale_layers(lens, args.model, wanted)
     if not todo:
         print("every requested partition is up to date (same code version and config); --force recomputes")
+    held = _held_configurations(lens, args.model, todo)  # what the layers to be rewritten hold now
     checks: list[tuple[str, bool, str]] = []  # (asset.check, passed, description)
     failures: list[str] = []
     with dg.DagsterInstance.get() as instance:  # entering makes it the current instance for Dagster
@@ -165,6 +197,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     print(f"\nPer-layer summary ({args.model}, config {cfg.config_id}; SQL view layer_summary):")
     print_frame(lens.store.query(SUMMARY_SQL, [args.model, cfg.config_id]))
+    _say_replaced(lens, args.model, cfg.config_id, held, report.n_layers)
     where = "of the launcher; the steps ran in the workers" if profile.per_layer_runs else "of this process"
     print(f"\npipeline wall time {wall:.1f} s, peak RSS {peak:.2f} GiB ({where}); "
           f"catalog {lens.store.catalog_path() or 'in memory (updatelens sql)'}")

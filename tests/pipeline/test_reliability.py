@@ -232,6 +232,12 @@ def test_sigkill_mid_write_before_the_manifest_and_mid_replace_leave_only_verifi
     capsys.readouterr()
     assert main(args[:]) == 0 and "every requested partition is up to date" in capsys.readouterr().out
     assert main(["verify", "--data-root", str(root)]) == 0
+    # a run that gives one layer other settings says what that does to each configuration's findings
+    capsys.readouterr()
+    assert main([*args, "--layers", "1", "--set", "ridge=0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "note: layer(s) 1 held configuration" in out, out
+    assert ": 2 of 3 layers" in out and ": 1 of 3 layers" in out and "'not measured'" in out
 
 
 def test_concurrent_runs_on_two_models_and_on_one_model_while_sql_reads(zoo: Path, tmp_path: Path) -> None:
