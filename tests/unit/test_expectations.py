@@ -69,3 +69,29 @@ def test_geometry_values_missing_or_out_of_range_are_named_by_row_and_column() -
     assert named == {(1, "cos_full_tok"), (2, "angle_full_res")}
     fine = geometry.set_column(3, "cos_full_tok", pa.array([0.5] * n)).set_column(4, "angle_full_res", pa.array([9.0] * n))
     assert check_geometry(fine, spectra, n, ["lowrank"]).passed
+
+
+def test_a_blown_up_fit_is_told_from_a_token_with_a_massive_update() -> None:
+    """no_blown_up_fits: a residual 1.5 x its own update of 7 x the layer's 99th percentile (what Gemma 3
+    270M's layer 4 stores for a massive-activation token) is a poor fit, not a blown one; a residual
+    1,000 x the layer's updates is."""
+    import numpy as np
+    import pyarrow as pa
+
+    from updatelens.assets.checks import CheckSettings, check_blown_up_fits
+
+    rng = np.random.default_rng(0)
+    n = 2000
+    full = rng.uniform(100, 1000, n)
+    res = full * rng.uniform(0.3, 1.0, n)
+    full[5], res[5] = 7 * np.quantile(full, 0.99), 1.5 * 7 * np.quantile(full, 0.99)  # massive update, poor fit
+
+    def table(res: np.ndarray) -> pa.Table:
+        return pa.table({"fn_class": ["lowrank"] * n, "seq": np.arange(n) // 100, "pos": np.arange(n) % 100,
+                         "norm_full": full, "norm_res": res})
+
+    assert check_blown_up_fits(table(res), CheckSettings()).passed
+    blown = res.copy()
+    blown[7] = 1e3 * full.max()
+    verdict = check_blown_up_fits(table(blown), CheckSettings())
+    assert not verdict.passed and verdict.offenders[0]["seq"] == 0 and verdict.offenders[0]["pos"] == 7
