@@ -156,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     except UpdateLensError as exc:  # a problem of the input or the setup: its message, not a traceback
         print(f"updatelens {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, and for the commands that write, what is left
+        left = ("; every partition is written whole or not at all, so what is stored verifies: `updatelens verify` "
+                "names what is missing and the next `updatelens run` redoes it"
+                if args.command in WRITERS else "")
+        print(f"updatelens {args.command}: interrupted{left}", file=sys.stderr)
+        return 130
     except Exception as exc:
         where = cannot_write(exc)
         if where is None:
@@ -167,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+WRITERS = ("run", "sweep", "converge", "calibrate", "report")  # the commands that write under the root
 READ_ONLY_SIGNS = ("read-only file system", "readonly database", "permission denied")
 
 

@@ -434,3 +434,21 @@ def test_a_layer_whose_tables_come_from_two_runs_is_incomplete(tmp_path: Path,
     out = capsys.readouterr().out
     assert "incomplete: model=m layer=3: its tables come from different runs: activations at config c2" in out, out
     assert "layer=4: its tables" not in out
+
+
+def test_an_interrupted_command_says_so_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C (KeyboardInterrupt) in any command: exit 130 and one line, no traceback; a command that
+    writes says what is left and what redoes it."""
+    from updatelens.orchestration import cli
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_run", interrupted)
+    monkeypatch.setattr(cli, "cmd_verify", interrupted)
+    assert cli.main(["run", "--data-root", str(tmp_path)]) == 130
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("updatelens run: interrupted; every partition is written whole")
+    assert cli.main(["verify", "--data-root", str(tmp_path)]) == 130
+    assert capsys.readouterr().err.strip() == "updatelens verify: interrupted"
