@@ -28,6 +28,16 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "skipped when none is installed, failed when UPDATELENS_REQUIRE_ALL=1")
 
 
+# The longest tests (2-3 minutes each, mostly waiting on subprocesses) start first: collected late, one
+# of them leaves a worker running alone at the end while the other has nothing left to take.
+LONGEST_FIRST = ("test_partitions_launched_by_clicking_in_the_ui_are_followed_by_their_report",
+                 "test_sigkill_mid_write_before_the_manifest_and_mid_replace_leave_only_verified_files")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.name not in LONGEST_FIRST)  # stable: the rest keep their order
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for mark in item.iter_markers("needs_tool"):
         names, install = mark.args

@@ -23,39 +23,6 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOTS = Path(os.environ.get("UPDATELENS_SCREENSHOTS", REPO / "data" / "ui-screenshots"))
 
 
-def test_updatelens_ui_starts_and_stops_on_sigterm(tmp_path: Path) -> None:
-    home = tmp_path / "home"
-    registry = tmp_path / "registry.toml"
-    registry.write_text('[corpora.wiki-embedded]\nsource = "embedded"\n')  # no model: the sensor stays idle
-    port = free_port()
-    env = dict(os.environ, DAGSTER_HOME=str(home), UPDATELENS_REGISTRY=str(registry),
-               UPDATELENS_DATA=str(tmp_path / "data"))
-    proc = subprocess.Popen([sys.executable, "-m", "updatelens.orchestration.cli", "ui", "--port", str(port)], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_ready(proc, port, timeout=180)
-        names = {n["assetKey"]["path"][0] for n in graphql(port, "{ assetNodes { assetKey { path } } }")["data"]["assetNodes"]}
-        assert "functional_metrics" in names
-        # the code location is named after the data root the UI serves
-        entries = graphql(port, "{ workspaceOrError { ... on Workspace { locationEntries { name } } } }")
-        assert [e["name"] for e in entries["data"]["workspaceOrError"]["locationEntries"]] == \
-            [location_name(tmp_path / "data")]
-        assert "enabled: false" in (home / "dagster.yaml").read_text()  # telemetry and nux off
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) is not None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail("updatelens ui did not stop on SIGTERM within 60 s")
-    deadline = time.time() + 30  # dagster dev's children (webserver, daemon, code server) follow it
-    while time.time() < deadline:
-        leftover = subprocess.run(["pgrep", "-a", "-g", str(proc.pid)], capture_output=True, text=True).stdout
-        if not leftover.strip():
-            break
-        time.sleep(0.5)
-    assert not leftover.strip(), f"processes still running 30 s after SIGTERM:\n{leftover}"
-
-
 def screenshot(url: str, out: Path, profile: Path) -> None:
     subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                     "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
@@ -100,7 +67,7 @@ def test_partitions_launched_by_clicking_in_the_ui_are_followed_by_their_report(
     its partitions, and once stage automation has evaluated them nothing was launched; a
     person opens the analyse job in the browser, clicks "Materialize all", picks all partitions and
     "Launch backfill"; the run succeeds and is followed by the model's report and the comparison,
-    written under the root."""
+    written under the root. SIGTERM then stops `updatelens ui` and everything it started."""
     import json
 
     from tests.browser import open_page
@@ -167,6 +134,22 @@ def test_partitions_launched_by_clicking_in_the_ui_are_followed_by_their_report(
                 time.sleep(3)
         assert jobs == {"analyse": "SUCCESS", "build_report": "SUCCESS", "build_comparison": "SUCCESS"}, jobs
         assert (data / "reports" / "tiny-gpt2" / "index.html").is_file()
+        # the code location is named after the data root the UI serves; telemetry and nux are off
+        entries = graphql(port, "{ workspaceOrError { ... on Workspace { locationEntries { name } } } }")
+        assert [e["name"] for e in entries["data"]["workspaceOrError"]["locationEntries"]] == [location]
+        assert "enabled: false" in (tmp_path / "home" / "dagster.yaml").read_text()
+        # SIGTERM to `updatelens ui` alone stops it and dagster dev's children (webserver, daemon, code server)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.time() + 30
+        while (left := subprocess.run(["pgrep", "-a", "-g", str(proc.pid)], capture_output=True,
+                                      text=True).stdout.strip()) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not left, f"processes still running 30 s after SIGTERM:\n{left}"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is None or subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait(timeout=60)
