@@ -45,14 +45,14 @@ FROM findings WHERE list_contains($1, model) ORDER BY model, config_id, finding
 
 
 def _held_configurations(lens: UpdateLensResource, model: str, layers: list[int]) -> dict[int, str]:
-    """The configuration each of `layers` holds now (from its activations partition), where one is stored."""
+    """The configuration each of `layers` holds now (its activations partition's manifest), where one is stored."""
+    from updatelens.storage.integrity import layer_runs
+
     held: dict[int, str] = {}
     for layer in layers:
-        part = lens.store.partition("activations", model, layer)
-        if part.exists():
-            ids = part.read(columns=["config_id"])["config_id"]
-            if len(ids):
-                held[layer] = str(ids[0].as_py())
+        runs = layer_runs(lens.root, model, layer, ("activations",))
+        if runs:
+            held[layer] = next(iter(runs))[0]
     return held
 
 

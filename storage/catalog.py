@@ -396,15 +396,12 @@ ORDER BY model, config_id, finding
 ACROSS_MODELS_SQL = """
 CREATE OR REPLACE VIEW findings_across_models AS
 WITH best AS (SELECT model, config_id, fn_class, finding, value, ci_lo, ci_hi, verdict, n_layers FROM findings),
-reps AS (
-    SELECT r.model, r.config_id, r.finding, r.replicate, r.value
-    FROM finding_replicates r JOIN best USING (model, config_id, fn_class, finding) WHERE r.replicate >= 0
-),
-jack AS (
+best_replicates AS (
     SELECT r.model, r.config_id, r.finding, r.replicate, r.value
     FROM finding_replicates r JOIN best USING (model, config_id, fn_class, finding)
-    WHERE r.replicate <= {jackknife_first}
 ),
+reps AS (SELECT * FROM best_replicates WHERE replicate >= 0),
+jack AS (SELECT * FROM best_replicates WHERE replicate <= {jackknife_first}),
 jack_one AS (
     SELECT model, config_id, finding, {jk_value} AS half FROM jack GROUP BY ALL
 ),

@@ -147,10 +147,9 @@ def test_the_served_notebook_opens_with_its_answers(run, tmp_path: Path) -> None
     import signal
     import subprocess
     import sys
-    import time
 
     from tests.browser import open_page
-    from tests.pipeline.test_webserver import REPO, free_port
+    from tests.pipeline.test_webserver import REPO, free_port, group_left, kill_group
     from updatelens.reports.build import VERDICTS
 
     lens, _ = run
@@ -174,18 +173,9 @@ def test_the_served_notebook_opens_with_its_answers(run, tmp_path: Path) -> None
             page.screenshot(tmp_path / "notebook.png")
         proc.send_signal(signal.SIGTERM)  # to `updatelens notebook` alone: it passes the signal on to marimo
         proc.wait(timeout=30)
-        deadline = time.time() + 30
-        while (left := subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.strip()) \
-                and time.time() < deadline:
-            time.sleep(0.5)
-        assert not left, "the marimo server kept running after `updatelens notebook` was stopped"
+        assert not group_left(proc), "the marimo server kept running after `updatelens notebook` was stopped"
     finally:
-        if proc.poll() is None or subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait(timeout=30)
+        kill_group(proc, timeout=30)
     assert set(REPO.glob("reports/__marimo__/**/*")) == before  # the app writes nothing beside the notebook
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from tests.pipeline.test_webserver import REPO, free_port, graphql, start_webserver, wait_ready
+from tests.pipeline.test_webserver import REPO, free_port, graphql, group_left, kill_group, start_webserver, wait_ready
 from updatelens.assets.partitions import model_keys
 from updatelens.orchestration.commands import location_name
 from updatelens.orchestration.runner import dagster_yaml
@@ -141,15 +141,7 @@ def test_partitions_launched_by_clicking_in_the_ui_are_followed_by_their_report(
         # SIGTERM to `updatelens ui` alone stops it and dagster dev's children (webserver, daemon, code server)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-        deadline = time.time() + 30
-        while (left := subprocess.run(["pgrep", "-a", "-g", str(proc.pid)], capture_output=True,
-                                      text=True).stdout.strip()) and time.time() < deadline:
-            time.sleep(0.5)
+        left = group_left(proc)
         assert not left, f"processes still running 30 s after SIGTERM:\n{left}"
     finally:
-        if proc.poll() is None or subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait(timeout=60)
+        kill_group(proc)

@@ -39,6 +39,26 @@ def graphql(port: int, query: str) -> dict:
         return json.loads(resp.read())
 
 
+def group_left(proc: subprocess.Popen, timeout: float = 30.0) -> str:
+    """What still runs in the process group `proc` leads, after waiting up to `timeout` s for it to
+    empty (pgrep's lines; '' when nothing is left)."""
+    deadline = time.time() + timeout
+    while (left := subprocess.run(["pgrep", "-a", "-g", str(proc.pid)], capture_output=True,
+                                  text=True).stdout.strip()) and time.time() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def kill_group(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGKILL whatever runs of the process group `proc` leads (a test's cleanup), then reap `proc`."""
+    if proc.poll() is None or subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=timeout)
+
+
 def start_webserver(home: Path, port: int) -> subprocess.Popen:
     env = dict(os.environ, DAGSTER_HOME=str(home), HF_HUB_OFFLINE="1", UPDATELENS_DATA=str(home / "data"))
     return subprocess.Popen([sys.executable, "-m", "dagster_webserver", "-w", "workspace.yaml", "-h", "127.0.0.1",
