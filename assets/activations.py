@@ -10,12 +10,12 @@ from contextlib import ExitStack
 import dagster as dg
 import pyarrow as pa
 
-from updatelens.analysis import activation_rows, provenance, token_rows
 from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.capture import capture_batches, self_only_layers
 from updatelens.preflight import check_data_root
+from updatelens.steps.activations import activation_rows, provenance, token_rows
 
 
 @stage_asset

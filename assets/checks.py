@@ -18,13 +18,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from updatelens.analysis import LayerData
 from updatelens.assets.expectations import Expect, Verdict, between, row_count, validate
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LOCAL_FITTERS, FitParams, LayerFit, refit_anchors, torch_dtype
 from updatelens.models import LoadedModel
 from updatelens.perturbation import OriginalOutput, Variant, patched_kl
 from updatelens.stages import STAGES
+from updatelens.steps.layer import LayerData
 from updatelens.tables import to_matrix
 
 

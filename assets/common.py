@@ -14,13 +14,14 @@ import polars as pl
 import pyarrow as pa
 
 from updatelens import CODE_VERSION, schemas
-from updatelens.analysis import LayerData, fits_from_table, layer_data
 from updatelens.assets import checks
 from updatelens.assets.partitions import MODEL_LAYER, group_keys
 from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
 from updatelens.stages import BY_NAME, upstream
+from updatelens.steps.layer import LayerData, layer_data
+from updatelens.steps.local_fits import fits_from_table
 from updatelens.storage.integrity import partition_error
 from updatelens.storage.layout import read_file, read_schema
 from updatelens.storage.store import Partition, Store

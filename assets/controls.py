@@ -1,5 +1,5 @@
 """Stage: the positive controls. The real layer's neighbours and classes, fitted to targets that are
-tokenwise by construction (engine: `updatelens.controls`), measured by the geometry stage's code:
+tokenwise by construction (engine: `updatelens.steps.controls`), measured by the geometry stage's code:
 what the estimator shows when the paper's structure is there. Reads a whole layer at a time (the
 linear control's leave-one-document-out fit needs every token)."""
 
@@ -10,12 +10,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from updatelens.analysis import layer_data
 from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.config import LOCAL_CLASSES
-from updatelens.controls import control_layer_tables, made_controls
+from updatelens.steps.controls import control_layer_tables, made_controls
+from updatelens.steps.layer import layer_data
 from updatelens.tables import Provenance, to_matrix
 
 

@@ -11,22 +11,21 @@ its partitions (row groups in sequence order) and only the per-token KL stays in
 
 import dagster as dg
 
-from updatelens.analysis import (
-    FunctionalRows,
-    fits_from_table,
-    functional_bootstrap_table,
-    functional_rows,
-    functional_tables_from_rows,
-    layer_data,
-    sample_docs,
-    single_positions,
-)
 from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.capture import block_output_is_tuple
 from updatelens.perturbation import OriginalOutput, original_output, vocab_size
 from updatelens.progress import progress
+from updatelens.steps.functional_metrics import (
+    FunctionalRows,
+    functional_bootstrap_table,
+    functional_rows,
+    functional_tables_from_rows,
+    single_positions,
+)
+from updatelens.steps.layer import layer_data, sample_docs
+from updatelens.steps.local_fits import fits_from_table
 from updatelens.tables import Provenance
 
 

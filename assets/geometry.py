@@ -9,10 +9,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from updatelens.analysis import LayerGeometry, sample_docs
 from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
 from updatelens.assets.resources import UpdateLensResource
+from updatelens.steps.geometry import LayerGeometry
+from updatelens.steps.layer import sample_docs
 from updatelens.tables import Provenance
 
 

@@ -6,11 +6,12 @@ the partition is written class by class in row groups."""
 import dagster as dg
 import numpy as np
 
-from updatelens.analysis import fit_row_parts, layer_neighbours, transition_from_parts
 from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.fits import fit_layer
+from updatelens.steps.layer import transition_from_parts
+from updatelens.steps.local_fits import fit_row_parts, layer_neighbours
 from updatelens.tables import Provenance
 
 

@@ -6,10 +6,10 @@ import dagster as dg
 import numpy as np
 import pyarrow.compute as pc
 
-from updatelens.analysis import residuals_table
 from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
 from updatelens.assets.resources import UpdateLensResource
+from updatelens.steps.residuals import residuals_table
 from updatelens.storage.integrity import partition_error
 from updatelens.storage.store import Partition
 from updatelens.tables import Provenance

@@ -59,11 +59,11 @@ def forward_floors(model: str, layers: list[int] | None, device: str, registry: 
     import torch
 
     from bench import measures as bench
-    from updatelens.analysis import patched_pass_count
     from updatelens.config import AnalysisConfig, preset_layers, preset_settings
     from updatelens.models import load_model
     from updatelens.perturbation import output_layer
     from updatelens.registry import get_model
+    from updatelens.steps.functional_metrics import patched_pass_count
 
     lm = load_model(get_model(model, registry), device=device)
     head = output_layer(lm)

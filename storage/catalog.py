@@ -699,7 +699,7 @@ DERIVED_VIEWS = ("layer_summary", "layer_replicates", "layer_bands", "finding_re
 # the derived relations computed into tables (FINDING_REPLICATES_SQL), per family prefix
 DERIVED_TABLES = ("finding_replicates",)
 FAMILY_PREFIXES = ("", "sweep_", "conv_", "control_", "conv_control_")
-# the positive controls' tables (updatelens.controls): the geometry stage's tables, one per control
+# the positive controls' tables (updatelens.steps.controls): the geometry stage's tables, one per control
 CONTROL_TABLES = tuple(t for t in TABLES if t.startswith(CONTROL_PREFIX))
 PLAIN_TABLES = tuple(t for t in TABLES if t not in CONTROL_TABLES)
 

@@ -5,7 +5,7 @@ One capture of the largest sample serves every size (the first n windows: nested
 convergence study's). For each layer, size and neighbour count k, the neighbours are searched among
 all the size's tokens (exclusion by document, as the pipeline's), and the fit is evaluated at a fixed
 subsample of anchors (the power comes from how densely the neighbours cover the space, not from how
-many anchors are scored): for the real update and for each positive control (updatelens.controls),
+many anchors are scored): for the real update and for each positive control (updatelens.steps.controls),
 the median relative error ‖y - T(x)‖ / ‖y - x‖ and the median cos(Δ_full, Δ_tok) with 95 % bootstrap
 intervals over documents, and where that cosine's interval lies against finding 1's threshold.
 """
@@ -22,13 +22,13 @@ import torch
 from updatelens.bootstrap import sequence_counts, weighted_median
 from updatelens.capture import capture_batches, kept_mask
 from updatelens.config import AnalysisConfig
-from updatelens.controls import linear_target, made_controls
 from updatelens.corpus import Sample
 from updatelens.findings import BY_ID
 from updatelens.fits import fit_local_batched, torch_dtype
 from updatelens.fits.base import FitParams
 from updatelens.models import LoadedModel
 from updatelens.neighbours import knn
+from updatelens.steps.controls import linear_target, made_controls
 from updatelens.tables import Provenance, with_provenance
 
 DEFAULT_TOKENS = (2048, 8192, 32768)

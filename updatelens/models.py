@@ -38,7 +38,7 @@ class Adapter:
     # on the embedded sample); position 0 stays out of the statistics (skip_first_position)
     needs_bos: bool = False
     # whether the blocks mix tokens through attention that takes a 4D mask: the positive control
-    # "self-only block" (each token attends to itself alone) exists only then (updatelens.controls)
+    # "self-only block" (each token attends to itself alone) exists only then (updatelens.steps.controls)
     self_attention: bool = True
 
 

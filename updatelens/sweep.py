@@ -15,12 +15,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from updatelens.analysis import (
-    activations_table,
-    analyse_layer,
-    layer_data,
-    provenance,
-)
+from updatelens.analysis import analyse_layer
 from updatelens.capture import capture
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample
@@ -28,6 +23,8 @@ from updatelens.errors import ConfigError
 from updatelens.models import LoadedModel
 from updatelens.perturbation import original_output
 from updatelens.stages import SWEEP_TABLES
+from updatelens.steps.activations import activations_table, provenance
+from updatelens.steps.layer import layer_data
 
 # Around the default: neighbour exclusion, k, rank and the function class. The alignment form, the
 # angle reference and the error measure need no extra run: every run measures them both ways.

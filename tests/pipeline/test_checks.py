@@ -261,7 +261,7 @@ def test_a_block_written_twice_by_the_streamed_geometry_fails_its_check(zoo: Pat
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The geometry stage writes a block of its per-token rows twice: the stored file has more rows
     than kept tokens x classes, and duplicates, which geometry_ranges reports."""
-    from updatelens.analysis import LayerGeometry
+    from updatelens.steps.geometry import LayerGeometry
 
     original = LayerGeometry.token_table
     monkeypatch.setattr(LayerGeometry, "token_table",
@@ -277,7 +277,7 @@ def test_a_control_lost_or_out_of_range_fails_the_controls_check(zoo: Path, tmp_
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The controls stage loses its self-only control (only the linear one is stored, where both were
     asked for), and the linear control's cosines leave [-1, 1]: controls_valid names both."""
-    import updatelens.controls as stage
+    import updatelens.steps.controls as stage
 
     original = stage.control_tables
 

@@ -92,7 +92,7 @@ def test_the_kl_block_is_sized_from_the_vocabulary() -> None:
 
 
 def test_fewer_documents_than_jackknife_groups_leave_each_document_out_once() -> None:
-    from updatelens.analysis import LayerGeometry
+    from updatelens.steps.geometry import LayerGeometry
 
     cfg = AnalysisConfig(n_seq=4, bootstrap=10)
     cfg.validate()

@@ -13,10 +13,10 @@ import torch
 
 from tests.unit.test_findings import CLASSES, LAYERS, fixture, replicate_fixture
 from updatelens.capture import capture_batches, record_block_calls, record_block_states, self_only_outputs
-from updatelens.controls import linear_target
 from updatelens.errors import ModelError
 from updatelens.findings import BY_ID
 from updatelens.models import LoadedModel, locate_blocks
+from updatelens.steps.controls import linear_target
 from updatelens.storage import catalog
 from updatelens.storage.layout import write_partition
 

@@ -145,8 +145,9 @@ def test_faiss_indexes_at_their_widest_setting_find_the_exact_neighbours(kind: s
 
 
 def test_document_exclusion_never_takes_a_neighbour_from_the_anchors_article() -> None:
-    from updatelens.analysis import Transition, layer_neighbours
     from updatelens.config import AnalysisConfig
+    from updatelens.steps.layer import Transition
+    from updatelens.steps.local_fits import layer_neighbours
 
     rng = np.random.default_rng(0)
     n_seq, per_seq, d = 6, 20, 8

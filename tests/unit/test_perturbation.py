@@ -8,15 +8,6 @@ import pyarrow.compute as pc
 import pytest
 import torch
 
-from updatelens.analysis import (
-    LayerData,
-    build_variants,
-    functional_bootstrap_table,
-    functional_tables,
-    later_positions,
-    patched_pass_count,
-    provenance,
-)
 from updatelens.bootstrap import sequence_counts
 from updatelens.capture import block_output_is_tuple, capture, first_tensor, kept_mask
 from updatelens.config import AnalysisConfig
@@ -32,6 +23,15 @@ from updatelens.perturbation import (
     single_position_kl,
     spearman,
 )
+from updatelens.steps.activations import provenance
+from updatelens.steps.functional_metrics import (
+    build_variants,
+    functional_bootstrap_table,
+    functional_tables,
+    later_positions,
+    patched_pass_count,
+)
+from updatelens.steps.layer import LayerData
 
 SLUGS = ["tiny-gpt2", "tiny-llama", "tiny-neox", "tiny-mamba"]
 

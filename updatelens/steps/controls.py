@@ -24,11 +24,12 @@ from dataclasses import replace
 import numpy as np
 import pyarrow as pa
 
-from updatelens.analysis import LayerData, geometry_tables
 from updatelens.config import AnalysisConfig
 from updatelens.fits import fit_layer
 from updatelens.schemas import empty_table
 from updatelens.stages import BY_NAME
+from updatelens.steps.geometry import geometry_tables
+from updatelens.steps.layer import LayerData
 from updatelens.tables import Provenance
 
 CONTROL_TABLES = BY_NAME["controls"].tables  # control_geometry, control_spectra, control_geometry_bootstrap
@@ -101,7 +102,7 @@ def control_layer_tables(data: LayerData, y_self: np.ndarray | None, neighbours:
                          log: Callable[[str], None] = lambda _msg: None) -> dict[str, pa.Table]:
     """The controls stage's tables of one layer (`control_geometry`, `control_spectra`,
     `control_geometry_bootstrap`): every control's rows, or the empty table where none is made. The
-    asset and the in-memory analysis (`analysis.analyse_layer`) both build them here."""
+    asset and the in-memory analysis (`updatelens.analysis.analyse_layer`) both build them here."""
     made: dict[str, list[pa.Table]] = {name: [] for name in CONTROL_TABLES}
     for control, tables in control_tables(data, y_self, neighbours, cfg, prov):
         log(f"layer {data.layer}: positive control {control} fitted and measured")

@@ -1,0 +1,70 @@
+"""Stage 1, activations: a capture's transitions and tokens as rows (the asset streams batches of
+sequences through `activation_rows` and `token_rows`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from updatelens.capture import Captured, kept_mask
+from updatelens.config import AnalysisConfig
+from updatelens.corpus import Sample
+from updatelens.models import LoadedModel
+from updatelens.tables import Provenance, vector_column, with_provenance
+
+
+def provenance(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig) -> Provenance:
+    return Provenance.of(lm.slug, lm.revision, sample.corpus, sample.slice_desc, cfg, lm.n_layers, lm.weights)
+
+
+
+def activation_rows(states: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray, layer: int,
+                    cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray, seq_offset: int = 0,
+                    self_only: np.ndarray | None = None) -> pa.Table:
+    """Transition l for a batch of sequences: x = h_l, y = h_{l+1}, every position (kept flags the
+    ones in statistics). `states` [L+1, b, T, d]; the rows are sequences seq_offset.. of the sample,
+    `docs` [b] the document each was cut from; `self_only` [b, T, d]: block l with each token
+    attending to itself alone (null where not made: an architecture without attention, or not asked)."""
+    n_seq, seq_len = input_ids.shape
+    kept = kept_mask(attention_mask, cfg.skip_first_position)
+    d = states.shape[-1]
+    cols = {
+        "seq": pa.array(np.repeat(np.arange(seq_offset, seq_offset + n_seq), seq_len), pa.int32()),
+        "doc": pa.array(np.repeat(np.asarray(docs), seq_len), pa.int32()),
+        "pos": pa.array(np.tile(np.arange(seq_len), n_seq), pa.int32()),
+        "token_id": pa.array(input_ids.reshape(-1), pa.int64()),
+        "attention_mask": pa.array(attention_mask.reshape(-1), pa.int8()),
+        "kept": pa.array(kept.reshape(-1)),
+        "x": vector_column(states[layer].reshape(-1, d)),
+        "y": vector_column(states[layer + 1].reshape(-1, d)),
+        "y_self": (vector_column(self_only.reshape(-1, d)) if self_only is not None
+                   else pa.nulls(n_seq * seq_len, pa.list_(pa.float32(), d))),
+    }
+    return with_provenance(cols, prov, layer)
+
+
+CONTEXT_TOKENS = 8  # the left context of a token in the tokens table: it and the 7 before it
+
+
+def token_rows(tokenizer: object, input_ids: np.ndarray, layer: int, prov: Provenance, seq_offset: int = 0,
+               context: int = CONTEXT_TOKENS) -> pa.Table:
+    """Which text each (seq, pos) of a batch is: the token decoded alone and a short left context
+    ending with it (the `context` tokens up to and including it), so SQL answers with words."""
+    n_seq, seq_len = input_ids.shape
+    ids = input_ids.tolist()
+    windows = [row[max(0, p - context + 1) : p + 1] for row in ids for p in range(seq_len)]
+    decode = tokenizer.batch_decode  # type: ignore[attr-defined]
+    cols = {
+        "seq": pa.array(np.repeat(np.arange(seq_offset, seq_offset + n_seq), seq_len), pa.int32()),
+        "pos": pa.array(np.tile(np.arange(seq_len), n_seq), pa.int32()),
+        "token_id": pa.array(input_ids.reshape(-1), pa.int64()),
+        "token": pa.array(decode([[t] for t in input_ids.reshape(-1).tolist()]), pa.string()),
+        "context": pa.array(decode(windows), pa.string()),
+    }
+    return with_provenance(cols, prov, layer)
+
+
+def activations_table(cap: Captured, layer: int, cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray) -> pa.Table:
+    """Transition l of a whole in-memory capture (notebooks, sweeps); `docs`: the sample's doc_index."""
+    return activation_rows(cap.states, cap.input_ids, cap.attention_mask, layer, cfg, prov, docs,
+                           self_only=cap.self_only.get(layer))

@@ -1,0 +1,271 @@
+"""Stage 6, functional metrics: the effect on the output of removing r (KL at the patched position
+and after it), with the random, crude and identity controls, and their resamples."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from updatelens.bootstrap import (
+    median_ratio,
+    paired_ratio,
+    row_weights,
+    weighted_spearman,
+)
+from updatelens.config import AnalysisConfig
+from updatelens.fits import LayerFit
+from updatelens.geometry import (
+    token_metrics,
+)
+from updatelens.models import LoadedModel
+from updatelens.perturbation import (
+    OriginalOutput,
+    Variant,
+    later_position_kl,
+    patched_kl,
+    single_position_kl,
+    spearman,
+)
+from updatelens.single_position import all_single_position_kl, resolve_patch_mode
+from updatelens.steps.layer import LayerData, random_directions, resample_counts
+from updatelens.tables import Provenance, with_provenance
+
+
+def control_plan(cfg: AnalysisConfig) -> list[str]:
+    """The controls that get a patched pass of their own, in the order they are measured (the crude
+    control needs a crude class other than the primary one)."""
+    return [name for name in ("random", "crude", "identity") if name in cfg.controls
+            and not (name == "crude" and cfg.crude_class == cfg.primary_class)]
+
+
+def patched_pass_count(cfg: AnalysisConfig) -> int:
+    """How many patched versions of a layer's output the functional stage runs: one per class and
+    one per control (each a forward pass from the layer on over every sequence), plus the unpatched
+    stream the exact single-position effects run beside them (patch_mode "exact", and "auto" on the
+    attention models it resolves to "exact" for)."""
+    return len(cfg.classes) + len(control_plan(cfg)) + (cfg.patch_mode in ("auto", "exact"))
+
+
+def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConfig) -> list[Variant]:
+    """The main patch per class (y -> T(x) at kept positions) and the controls of `control_plan`."""
+
+    def scatter(values: np.ndarray) -> np.ndarray:
+        state = data.y_full.astype(np.float64).copy()
+        state[data.kept] = values
+        return state
+
+    variants = [Variant("patch", c, scatter(fit.tx)) for c, fit in fits.items()]
+    primary = fits[cfg.primary_class]
+    for name in control_plan(cfg):
+        if name == "random":
+            y = data.y.astype(np.float64)
+            norm_res = np.linalg.norm(data.y - primary.tx, axis=1)
+            state = scatter(y + norm_res[:, None] * random_directions(data, cfg.seed))
+        elif name == "crude":
+            state = scatter(data.y + (fits[cfg.crude_class].tx - primary.tx))
+        else:  # identity
+            state = data.y_full.astype(np.float64)
+        variants.append(Variant(name, cfg.primary_class, state))
+    return variants
+
+
+def single_positions(kept: np.ndarray, per_seq: int, seed: int) -> np.ndarray:
+    """(sequence, position) pairs [P, 2] of the single-position patches over the whole sample."""
+    rng = np.random.default_rng([seed, 7919])
+    out: list[tuple[int, int]] = []
+    for s in range(kept.shape[0]):
+        candidates = np.flatnonzero(kept[s])
+        chosen = rng.choice(candidates, size=min(per_seq, len(candidates)), replace=False)
+        out.extend((s, int(p)) for p in np.sort(chosen))
+    return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+
+
+def later_positions(measured: np.ndarray, per_seq: int, seed: int, seq_offset: int = 0) -> np.ndarray:
+    """(sequence, position) pairs [P, 2] whose effect on the later positions is measured: `per_seq`
+    measured positions of each sequence that have a position after them, drawn from the seed and the
+    sequence's number in the sample (so a block of sequences draws what the whole sample would)."""
+    out: list[tuple[int, int]] = []
+    for s in range(measured.shape[0]):
+        candidates = np.flatnonzero(measured[s, :-1])
+        rng = np.random.default_rng([seed, 7920, seq_offset + s])
+        chosen = rng.choice(candidates, size=min(per_seq, len(candidates)), replace=False)
+        out.extend((s, int(p)) for p in np.sort(chosen))
+    return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+
+
+# per variant: fn_class, variant, seq, pos, kl (clamped at 0), kl_raw (before the clamp), rel_err, norm_res,
+# kl_later (the summed KL after the position, on the `later_positions` subsample of the main patch of the
+# primary class; NaN elsewhere)
+FunctionalRows = list[dict[str, np.ndarray | str]]
+
+
+def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig: OriginalOutput,
+                    cfg: AnalysisConfig, returns_tuple: bool = False,
+                    positions: np.ndarray | None = None) -> FunctionalRows:
+    """KL of every variant at the measured tokens of `data` (a layer, or a block of its sequences:
+    `orig` covers the same sequences). `positions`: the sample's single-position pairs (patch_mode
+    "single"), in sample sequence numbers."""
+    variants = build_variants(data, fits, cfg)
+    mode = resolve_patch_mode(lm, cfg.patch_mode)
+    if mode == "exact":  # every position's single-position effect, in one pass of 1 + len(variants) streams
+        kls = all_single_position_kl(lm, data.input_ids, data.layer, variants, data.y_full, orig,
+                                     cfg.patch_batch * 2, returns_tuple)
+        measured = data.kept
+    elif mode == "all":
+        kls = patched_kl(lm, data.input_ids, data.layer, variants, orig, cfg.patch_batch, returns_tuple)
+        measured = data.kept
+    else:
+        assert positions is not None, "single patch mode needs the sample's positions"
+        n_seq = data.kept.shape[0]
+        local = positions[(positions[:, 0] >= data.seq_offset) & (positions[:, 0] < data.seq_offset + n_seq)]
+        local = local - np.array([data.seq_offset, 0])
+        kls = single_position_kl(lm, data.input_ids, data.layer, variants, data.y_full, local,
+                                 orig, cfg.patch_batch, returns_tuple)
+        measured = np.zeros_like(data.kept)
+        measured[local[:, 0], local[:, 1]] = True
+    seq_idx, pos_idx = np.nonzero(measured)
+    key_all = data.seq.astype(np.int64) * data.kept.shape[1] + data.pos
+    key_measured = (seq_idx + data.seq_offset).astype(np.int64) * data.kept.shape[1] + pos_idx
+    rows_in_kept = np.searchsorted(key_all, key_measured)
+    later = np.full(measured.shape, np.nan)
+    if cfg.later_positions:
+        main = next(v for v in variants if v.name == "patch" and v.fn_class == cfg.primary_class)
+        chosen = later_positions(measured, cfg.later_positions, cfg.seed, data.seq_offset)
+        _, total = later_position_kl(lm, data.input_ids, data.layer, main.state, data.y_full, chosen, orig,
+                                     cfg.patch_batch, returns_tuple)
+        later[chosen[:, 0], chosen[:, 1]] = total
+    out: FunctionalRows = []
+    for variant, kl_grid in zip(variants, kls):
+        fit = fits[variant.fn_class]
+        err = token_metrics(data.x[rows_in_kept], data.y[rows_in_kept], fit.tx[rows_in_kept])
+        raw = kl_grid[seq_idx, pos_idx]
+        main_patch = variant.name == "patch" and variant.fn_class == cfg.primary_class
+        out.append({"fn_class": variant.fn_class, "variant": variant.name, "patch_mode": mode,
+                    "seq": (seq_idx + data.seq_offset).astype(np.int32), "pos": pos_idx.astype(np.int32),
+                    "kl": np.maximum(raw, 0.0), "kl_raw": raw, "rel_err": err["rel_err"], "norm_res": err["norm_res"],
+                    "kl_later": later[seq_idx, pos_idx] if main_patch else np.full(len(seq_idx), np.nan)})
+    return out
+
+
+def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov: Provenance,
+                                layer: int) -> tuple[pa.Table, pa.Table]:
+    """Per-token and per-layer tables from the rows of every block (concatenated per variant)."""
+    merged: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        merged.setdefault((str(row["fn_class"]), str(row["variant"])), []).append(row)
+    token_parts, summary_parts = [], []
+    columns = {key: {k: np.concatenate([p[k] for p in parts])
+                     for k in ("seq", "pos", "kl", "kl_raw", "rel_err", "norm_res", "kl_later")} for key, parts in merged.items()}
+    for (fn_class, name), parts in merged.items():
+        mode = str(parts[0].get("patch_mode", cfg.patch_mode))  # as measured ("auto" resolved per model)
+        col = columns[(fn_class, name)]
+        kl = col["kl"]
+        ratio = _ratio_to_random(columns, fn_class) if name == "patch" else None
+        n = len(kl)
+        token_parts.append(with_provenance({
+            "fn_class": pa.array([fn_class] * n),
+            "variant": pa.array([name] * n),
+            "patch_mode": pa.array([mode] * n),
+            "seq": pa.array(col["seq"]),
+            "pos": pa.array(col["pos"]),
+            "kl": pa.array(kl),
+            "rel_err": pa.array(col["rel_err"]),
+            "norm_res": pa.array(col["norm_res"]),
+            "kl_later": pa.array(col["kl_later"], from_pandas=True),  # null where not measured
+        }, prov, layer))
+        s_rel = spearman(col["rel_err"], kl)
+        s_abs = spearman(col["norm_res"], kl)
+        on_later = np.isfinite(col["kl_later"])
+        s_later = spearman(kl, col["kl_later"])
+        summary_parts.append(with_provenance({
+            "fn_class": pa.array([fn_class]),
+            "variant": pa.array([name]),
+            "patch_mode": pa.array([mode]),
+            "n_tokens": pa.array([n], pa.int32()),
+            "kl_mean": pa.array([float(np.mean(kl)) if n else float("nan")]),
+            "kl_median": pa.array([float(np.median(kl)) if n else float("nan")]),
+            "kl_max": pa.array([float(np.max(kl)) if n else float("nan")]),
+            # the most negative KL before the clamp at 0: rounding is ~1e-7 or less, more is a fault
+            "kl_raw_min": pa.array([float(np.min(col["kl_raw"])) if n else float("nan")]),
+            "spearman_relerr_kl": pa.array([s_rel.rho]),
+            "spearman_relerr_kl_p": pa.array([s_rel.p_value]),
+            "spearman_normres_kl": pa.array([s_abs.rho]),
+            "spearman_normres_kl_p": pa.array([s_abs.p_value]),
+            # null where not measured: the ratio on the random control's class, the later effect on the
+            # main patch of the primary class
+            "kl_ratio_random": pa.array([float(median_ratio(ratio, np.ones((1, len(ratio))))[0])
+                                         if ratio is not None else None], pa.float64()),
+            "n_later": pa.array([int(on_later.sum())], pa.int32()),
+            "kl_later_mean": pa.array([float(np.mean(col["kl_later"][on_later])) if on_later.any() else None],
+                                      pa.float64()),
+            "kl_at_mean_on_later": pa.array([float(np.mean(kl[on_later])) if on_later.any() else None], pa.float64()),
+            "spearman_kl_later": pa.array([s_later.rho if np.isfinite(s_later.rho) else None], pa.float64()),
+        }, prov, layer))
+    return pa.concat_tables(token_parts), pa.concat_tables(summary_parts)
+
+
+def _ratio_to_random(columns: dict[tuple[str, str], dict[str, np.ndarray]], fn_class: str) -> np.ndarray | None:
+    """Per token, KL(remove r) / KL(the random perturbation of the same norm) for the class the random
+    control was made for (None for the others): both measured at the same positions, in the same order."""
+    patch, random = columns[(fn_class, "patch")], columns.get((fn_class, "random"))
+    if random is None:
+        return None
+    if not (np.array_equal(patch["seq"], random["seq"]) and np.array_equal(patch["pos"], random["pos"])):
+        raise ValueError("the random control was measured at other positions than the patch: no paired ratio")
+    return paired_ratio(patch["kl"], random["kl"])
+
+
+def _replicate_spearman(part: pa.Table, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Spearman(relative error, KL) and Spearman(||r||, KL) of one variant's rows on every resample."""
+    seq, kl = part["seq"].to_numpy(), part["kl"].to_numpy()
+    rel, norm = part["rel_err"].to_numpy(), part["norm_res"].to_numpy()
+    rho_rel, rho_norm = np.full(len(counts), np.nan), np.full(len(counts), np.nan)
+    if len(part):
+        for start, w in row_weights(counts, seq):  # weights of 32 resamples x tokens at a time
+            rho_rel[start : start + len(w)] = weighted_spearman(rel, kl, w)
+            rho_norm[start : start + len(w)] = weighted_spearman(norm, kl, w)
+    return rho_rel, rho_norm
+
+
+def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenance, layer: int,
+                               docs: np.ndarray) -> pa.Table:
+    """Spearman(error, KL) of the main patch on every bootstrap resample, and its null: the same
+    Spearman with the KL of the random control (the output moved as far in a random direction), for
+    the class the controls use (NaN for the others). `docs`: the document of each sample sequence."""
+    counts = resample_counts(cfg, docs)
+    parts = []
+    patch = fm.filter(pc.equal(fm["variant"], "patch"))
+    random = fm.filter(pc.equal(fm["variant"], "random"))
+    for fn_class in dict.fromkeys(patch["fn_class"].to_pylist()):
+        own, own_random = (part.filter(pc.equal(part["fn_class"], fn_class)).sort_by([("seq", "ascending"),
+                                                                                      ("pos", "ascending")])
+                           for part in (patch, random))
+        rho_rel, rho_norm = _replicate_spearman(own, counts)
+        null_rel, null_norm = _replicate_spearman(own_random, counts)
+        ratio = np.full(len(counts), np.nan)
+        if len(own_random):
+            per_token = _ratio_to_random({(fn_class, name): {k: part[k].to_numpy() for k in ("seq", "pos", "kl")}
+                                          for name, part in (("patch", own), ("random", own_random))}, fn_class)
+            assert per_token is not None
+            seq = own["seq"].to_numpy()
+            for start, w in row_weights(counts, seq):
+                ratio[start : start + len(w)] = median_ratio(per_token, w)
+        parts.append(with_provenance({
+            "fn_class": pa.array([fn_class] * cfg.bootstrap),
+            "replicate": pa.array(np.arange(cfg.bootstrap), pa.int32()),
+            "spearman_relerr_kl": pa.array(rho_rel, pa.float64(), from_pandas=True),
+            "spearman_normres_kl": pa.array(rho_norm, pa.float64(), from_pandas=True),
+            "spearman_relerr_kl_null": pa.array(null_rel, pa.float64(), from_pandas=True),
+            "spearman_normres_kl_null": pa.array(null_norm, pa.float64(), from_pandas=True),
+            "kl_ratio_random": pa.array(ratio, pa.float64(), from_pandas=True),
+        }, prov, layer))
+    return pa.concat_tables(parts)
+
+
+def functional_tables(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig: OriginalOutput,
+                      cfg: AnalysisConfig, prov: Provenance, returns_tuple: bool = False) -> tuple[pa.Table, pa.Table]:
+    """One whole layer in memory (`orig` covers the whole sample): notebooks, sweeps, tests."""
+    positions = single_positions(data.kept, cfg.single_positions, cfg.seed) if cfg.patch_mode == "single" else None
+    rows = functional_rows(lm, data, fits, orig, cfg, returns_tuple, positions)
+    return functional_tables_from_rows(rows, cfg, prov, data.layer)

@@ -1,0 +1,148 @@
+"""Stage 4, geometry: per-token geometry, the per-layer spectra and the findings' statistics on
+every resample, in two passes over blocks of whole sequences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from updatelens.bootstrap import (
+    ResampledGrams,
+    effective_ranks_of,
+    geometry_replicates,
+    jackknife_counts,
+)
+from updatelens.config import AnalysisConfig
+from updatelens.findings import JACKKNIFE_FIRST, TOKEN_STATISTICS
+from updatelens.fits import LayerFit
+from updatelens.geometry import (
+    Subspace,
+    decompose,
+    null_metrics,
+    null_residual,
+    projection_metrics,
+    spectrum_from_gram,
+    subspace_from_gram,
+    token_metrics,
+)
+from updatelens.steps.layer import LayerData, random_directions, resample_counts, resample_units, sample_docs
+from updatelens.tables import Provenance, with_provenance
+
+WHICH = ("full", "tok", "res")
+# the spectra of the null (docs/method.md, "Nulls"): Δ_full and r when each residual keeps its length
+# but points in a random direction (the random control's direction)
+NULL_WHICH = ("full_null", "res_null")
+NULL_M = 16  # the tokenwise subspace of finding "2 projection"
+
+
+class LayerGeometry:
+    """The geometry of one layer in two passes over blocks of whole sequences (or one block: the whole
+    layer), so memory holds a block plus d x d matrices whatever the number of tokens:
+    `accumulate` every block (Gram matrices of Δ_full, Δ_tok and r per class, and per bootstrap
+    resample for the spectra), `finish`, then `token_table` every block (per-token geometry against
+    the dominant tokenwise subspace); `spectra_table` and `bootstrap_table` once at the end."""
+
+    def __init__(self, cfg: AnalysisConfig, classes: list[str], d: int, docs: np.ndarray,
+                 null_spectra: bool = True) -> None:
+        """`null_spectra`: also the spectra of the null's Δ_full and r (finding 3's null); a positive
+        control, whose null no verdict reads, leaves them out (their ranks are NaN)."""
+        self.cfg = cfg
+        self.counts = resample_counts(cfg, docs)
+        self.jackknife = jackknife_counts(resample_units(cfg, docs), cfg.jackknife_groups, cfg.seed)
+        self.which = WHICH + NULL_WHICH if null_spectra else WHICH
+        self.grams = {(c, w): np.zeros((d, d)) for c in classes for w in self.which}
+        self.replicate_grams = {(c, w): ResampledGrams(self.jackknife, d) for c in classes for w in self.which}
+        self.n_rows = 0
+        self.subspaces: dict[str, Subspace] = {}
+        self.scalars: dict[str, list[dict[str, np.ndarray]]] = {c: [] for c in classes}
+
+    def accumulate(self, data: LayerData, fits: dict[str, LayerFit]) -> None:
+        seq = data.seq
+        self.n_rows += len(seq)
+        directions = random_directions(data, self.cfg.seed)
+        for fn_class, fit in fits.items():
+            dec = decompose(data.x, data.y, fit.tx)
+            null = null_residual(dec, directions)
+            for which, v in zip(self.which, (dec.delta_full, dec.delta_tok, dec.residual,
+                                             null.delta_full, null.residual)):
+                self.grams[(fn_class, which)] += v.T @ v
+                self.replicate_grams[(fn_class, which)].add(v, seq)
+
+    def finish(self) -> None:
+        self.subspaces = {c: subspace_from_gram(g, self.n_rows, self.cfg.energy_threshold)
+                          for (c, w), g in self.grams.items() if w == "tok"}
+
+    def token_table(self, data: LayerData, fits: dict[str, LayerFit], prov: Provenance) -> pa.Table:
+        parts = []
+        directions = random_directions(data, self.cfg.seed)
+        for fn_class, fit in fits.items():
+            sub = self.subspaces[fn_class]
+            dec = decompose(data.x, data.y, fit.tx)
+            metrics = token_metrics(data.x, data.y, fit.tx, dec)
+            metrics.update(projection_metrics(dec, sub, self.cfg.subspace_ms))
+            metrics.update(null_metrics(dec, data.x, directions, sub, NULL_M))
+            n = len(fit.tx)
+            cols: dict[str, pa.Array] = {
+                "fn_class": pa.array([fn_class] * n),
+                "seq": pa.array(data.seq),
+                "pos": pa.array(data.pos),
+            }
+            for key, values in metrics.items():
+                if key.startswith("norm_"):
+                    continue  # in residuals
+                cols[key] = pa.array(values, pa.float64())
+            cols["m90_tok"] = pa.array([sub.m_energy] * n, pa.int32())
+            parts.append(with_provenance(cols, prov, data.layer))
+            self.scalars[fn_class].append({"seq": data.seq, **{k: metrics[k] for k in TOKEN_STATISTICS if k in metrics}})
+        return pa.concat_tables(parts)
+
+    def spectra_table(self, prov: Provenance, layer: int) -> pa.Table:
+        parts = []
+        for (fn_class, which), gram in self.grams.items():
+            sp = spectrum_from_gram(gram, self.n_rows, self.cfg.energy_threshold)
+            k = len(sp.singular_values)
+            parts.append(with_provenance({
+                "fn_class": pa.array([fn_class] * k),
+                "which": pa.array([which] * k),
+                "idx": pa.array(np.arange(k), pa.int32()),
+                "sigma": pa.array(sp.singular_values),
+                "cum_energy": pa.array(sp.cum_energy),
+                "effective_rank": pa.array([sp.effective_rank] * k),
+                "m_energy": pa.array([sp.m_energy] * k, pa.int32()),
+            }, prov, layer))
+        return pa.concat_tables(parts)
+
+    def bootstrap_table(self, prov: Provenance, layer: int) -> pa.Table:
+        """The findings' per-layer statistics on every bootstrap resample (replicates 0 .. bootstrap-1;
+        their effective ranks null), then the effective ranks on every jackknife replicate
+        (replicates -2, -3, ...: `JACKKNIFE_FIRST`; their other statistics null): `geometry_bootstrap`."""
+        parts = []
+        b, g = self.cfg.bootstrap, len(self.jackknife)
+        keys = [(c, w) for c in self.scalars for w in self.which]
+        spectra_ranks = dict(zip(keys, effective_ranks_of([self.replicate_grams[key] for key in keys])))
+        for fn_class, blocks in self.scalars.items():
+            merged = {k: np.concatenate([blk[k] for blk in blocks]) for k in blocks[0]}
+            resampled = geometry_replicates(merged["seq"], merged, self.counts)
+            cols: dict[str, pa.Array] = {
+                "fn_class": pa.array([fn_class] * (b + g)),
+                "replicate": pa.array(np.concatenate([np.arange(b), JACKKNIFE_FIRST - np.arange(g)]), pa.int32())}
+            cols.update({k: pa.array(np.concatenate([v, np.full(g, np.nan)]), pa.float64(), from_pandas=True)
+                         for k, v in resampled.items()})
+            for which in WHICH + NULL_WHICH:
+                ranks = np.full(b + g, np.nan)
+                if which in self.which:
+                    ranks[b:] = spectra_ranks[(fn_class, which)]
+                cols[f"rank_{which}"] = pa.array(ranks, pa.float64(), from_pandas=True)
+            parts.append(with_provenance(cols, prov, layer))
+        return pa.concat_tables(parts)
+
+
+def geometry_tables(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConfig,
+                    prov: Provenance, null_spectra: bool = True) -> tuple[pa.Table, pa.Table, pa.Table]:
+    """Per-token geometry, the per-layer singular spectra of Δ_full, Δ_tok and r, and the per-layer
+    statistics of the findings on every bootstrap resample of the sequences: a whole layer in memory."""
+    geo = LayerGeometry(cfg, list(fits), data.x_full.shape[-1], sample_docs(data), null_spectra)
+    geo.accumulate(data, fits)
+    geo.finish()
+    tokens = geo.token_table(data, fits, prov)
+    return tokens, geo.spectra_table(prov, data.layer), geo.bootstrap_table(prov, data.layer)
