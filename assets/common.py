@@ -13,19 +13,20 @@ import dagster as dg
 import polars as pl
 import pyarrow as pa
 
-from updatelens import CODE_VERSION, schemas
+from updatelens import schemas
 from updatelens.assets import checks
 from updatelens.assets.partitions import MODEL_LAYER, group_keys
 from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
-from updatelens.stages import BY_NAME, upstream
+from updatelens.stages import BY_NAME, STAGE_OF_TABLE, upstream
 from updatelens.steps.layer import LayerData, layer_data
 from updatelens.steps.local_fits import fits_from_table
 from updatelens.storage.integrity import partition_error
 from updatelens.storage.layout import read_file, read_schema
 from updatelens.storage.store import Partition, Store
 from updatelens.tables import PROVENANCE_COLUMNS
+from updatelens.versions import stage_version
 
 
 class StaleInputError(RuntimeError):
@@ -162,7 +163,7 @@ def stage_asset(fn):
         backfill_policy=dg.BackfillPolicy.single_run(),
         automation_condition=STAGE_AUTOMATION,
         group_name=stage.group,
-        code_version=CODE_VERSION,
+        code_version=stage_version(stage.name),  # the UI calls a partition made by another stale
         kinds=set(stage.kinds),
         deps=[dg.AssetKey(s.name) for s in upstream(stage.name)],
         pool=MODEL_POOL if stage.needs_model else None,
@@ -260,7 +261,7 @@ def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str,
     where = first if len(written.per_partition) == 1 else first.rsplit("/", 3)[0]
     metadata: dict[str, Any] = {
         "config_id": cfg.config_id,
-        "code_version": CODE_VERSION,
+        "code_version": stage_version(STAGE_OF_TABLE[next(iter(written.rows))]),
         "partitions_written": len(written.per_partition),
         "parquet_path": dg.MetadataValue.path(where),
         "dagster/row_count": sum(written.rows.values()),

@@ -44,7 +44,7 @@ def controls(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
     verdicts: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, store):
         for layer in layers:
-            prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg)
+            prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg, "controls")
             check_upstream(store, "local_fits", model, layer, cfg)
             table = store.partition("activations", model, layer).read()
             data = layer_data(table)

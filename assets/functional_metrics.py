@@ -74,7 +74,7 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
                 del orig
                 reference = None  # the identity checks ran on the first block: its memory goes
         for layer in layers:
-            prov = Provenance.of_rows(heads[layer], cfg)
+            prov = Provenance.of_rows(heads[layer], cfg, "functional_metrics")
             fm, fs = functional_tables_from_rows(rows.pop(layer), cfg, prov, layer)
             stored_fm = written.add(store.partition("functional_metrics", model, layer), fm)
             stored_fs = written.add(store.partition("functional_summary", model, layer), fs)

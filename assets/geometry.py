@@ -25,7 +25,7 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
     verdicts: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, store):
         for layer in layers:
-            prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg)
+            prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg, "geometry")
             check_upstream(store, "local_fits", model, layer, cfg)  # what it reads: lineage and config
             blocks = seq_blocks(cfg)
             docs = sample_docs(store.partition("activations", model, layer).read(["seq", "doc"]))

@@ -24,7 +24,7 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> F
     audits: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, store):
         for layer in layers:
-            prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg)
+            prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg, "local_fits")
             source = store.partition("activations", model, layer)
             n_kept = int(source.read(["kept"])["kept"].to_numpy(zero_copy_only=False).sum())
             data = transition_from_parts(source.parts(["layer", "seq", "pos", "kept", "x", "y"]), n_kept)

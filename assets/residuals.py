@@ -28,7 +28,7 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fi
     blown: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, store):
         for layer in layers:
-            prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg)
+            prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg, "residuals")
             check_upstream(store, "local_fits", model, layer, cfg)
             key = f"{model}:{layer:02d}"
             target = store.partition("residuals", model, layer)

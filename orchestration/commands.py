@@ -52,7 +52,7 @@ def _held_configurations(lens: UpdateLensResource, model: str, layers: list[int]
     for layer in layers:
         runs = layer_runs(lens.root, model, layer, ("activations",))
         if runs:
-            held[layer] = next(iter(runs))[0]
+            held[layer] = next(iter(runs))
     return held
 
 
@@ -127,13 +127,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from updatelens.orchestration.runner import (
         check_inputs,
         check_verdicts,
-        contiguous_ranges,
         failure_message,
         materialize_model,
         project_dagster_home,
         release_dead_runs,
+        run_groups,
         stale_layers,
     )
+    from updatelens.stages import STAGE_NAMES
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if sys.stderr.isatty():  # progress bars on this terminal (Dagster captures the steps' stderr)
@@ -160,9 +161,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     for name in lens.store.clean_abandoned_staging():  # whatever the run then skips as up to date
         print(f"removed staging {name} left by a crashed run")
     wanted = layers or (preset_layers(args.preset, report.n_layers) if args.preset else list(range(report.n_layers)))
-    todo = wanted if args.force else stale_layers(lens, args.model, wanted)
+    plan = {layer: list(STAGE_NAMES) for layer in wanted} if args.force else stale_layers(lens, args.model, wanted)
+    todo = sorted(plan)
     if not todo:
-        print("every requested partition is up to date (same code version and config); --force recomputes")
+        print("every requested partition is up to date (same code version of each stage and config); --force recomputes")
     held = _held_configurations(lens, args.model, todo)  # what the layers to be rewritten hold now
     checks: list[tuple[str, bool, str]] = []  # (asset.check, passed, description)
     failures: list[str] = []
@@ -180,10 +182,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print(f"  layer {run.layer}: run {run.run_id} {'ok' if run.success else 'FAILED'}"
                       + (f"; steps ran on {where}" if where else ""))
                 failures += [f"layer {run.layer}: {run.failure}"] if not run.success else []
-        for layer_range in contiguous_ranges(todo) if not profile.per_layer_runs else []:
-            print(f"running layers {layer_range[0]}-{layer_range[-1]}", flush=True)
+        for stages, layer_range in run_groups(plan) if not profile.per_layer_runs else []:
+            which = "" if len(stages) == len(STAGE_NAMES) else f" ({', '.join(stages)}: the stages before are current)"
+            print(f"running layers {layer_range[0]}-{layer_range[-1]}{which}", flush=True)
             result = materialize_model(args.model, lens, instance, layers=layer_range, log_level="INFO",
-                                       raise_on_error=False, report=report)
+                                       raise_on_error=False, report=report, stages=stages)
             checks += check_verdicts(result)
             failures += [failure_message(result)] if not result.success else []
     wall = time.perf_counter() - start
@@ -447,7 +450,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for model, layer, missing in incomplete:
         print(f"incomplete: model={model} layer={layer}: no {', '.join(missing)}")
     for model, layer, runs in mixed_layers(root, TABLES):  # a run with other settings stopped midway
-        parts = "; ".join(f"{', '.join(tables)} at config {config} (code {code})" for (config, code), tables in runs.items())
+        parts = "; ".join(f"{', '.join(tables)} at config {config}" for config, tables in runs.items())
         print(f"incomplete: model={model} layer={layer}: its tables come from different runs: {parts}")
         incomplete.append((model, layer, []))
     db_path = catalog.catalog_path(root)

@@ -16,13 +16,14 @@ from updatelens.config import preset_layers, preset_settings
 from updatelens.errors import ConfigError
 from updatelens.orchestration.runner import (
     check_inputs,
-    contiguous_ranges,
     failure_message,
     materialize_model,
     root_instance,
+    run_groups,
     stale_layers,
 )
 from updatelens.preflight import Preflight, check_data_root, estimate_bytes
+from updatelens.stages import STAGE_NAMES
 from updatelens.storage.layout import convergence_root
 from updatelens.storage.location import url
 
@@ -73,15 +74,16 @@ def run_convergence(plan: ConvergencePlan, force: bool = False, log: Callable[[s
     own and its runs go to that root's Dagster instance (`root_instance`), so they never show as the
     main root's materializations."""
     for n_tokens, sub in plan.sizes:
-        todo = plan.layers if force else stale_layers(sub, plan.model, plan.layers)
+        todo = ({layer: list(STAGE_NAMES) for layer in plan.layers} if force
+                else stale_layers(sub, plan.model, plan.layers))
         log(f"converge: {n_tokens} tokens ({sub.config().n_seq} sequences), layers "
             f"{','.join(map(str, todo)) or 'up to date'}")
         if not todo:
             continue
         with root_instance(sub.data_root) as instance:
-            for layer_range in contiguous_ranges(todo):
+            for stages, layer_range in run_groups(todo):
                 result = materialize_model(plan.model, sub, instance, layers=layer_range, log_level="INFO",
-                                           raise_on_error=False, report=plan.report)
+                                           raise_on_error=False, report=plan.report, stages=stages)
                 if not result.success:
                     return failure_message(result)
     return None

@@ -1,8 +1,9 @@
 """What the sensor and the schedule decide, as plain functions (easy to test, no Dagster context).
 
 - `registry_changes`: which models are new (or changed source) since the cursor, which were removed.
-- `stale_keys`: which (model, layer) partitions are missing, or were made by another code version
-  or configuration than the current one, judged from the last stage's stored rows.
+- `stale_stages`, `stale_plan`: which stages of which (model, layer) partitions are
+  missing, damaged, or were made by another configuration or another code version of their stage
+  than the current one (and the stages that read them), judged from each table's manifest.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from updatelens.assets.partitions import model_keys
 from updatelens.registry import ModelEntry, load_models
-from updatelens.stages import LAST_TABLE, TABLES
-from updatelens.storage.integrity import layer_runs, partition_error
-from updatelens.storage.layout import PART_FILE, partition_dir, partition_file, read_file
+from updatelens.stages import STAGES
+from updatelens.storage.integrity import partition_error, read_manifest
+from updatelens.storage.layout import PART_FILE, partition_dir, partition_file
+from updatelens.versions import with_readers
 
 
 def fingerprint(entry: ModelEntry) -> str:
@@ -43,27 +44,38 @@ def registry_changes(registry: Path, cursor: str | None) -> RegistryChanges:
 
 
 
-def partition_state(root: Path, model: str, layer: int) -> tuple[str, str] | None:
-    """(config_id, code_version) of a stored partition of the last stage; None if it or any other
-    table of the (model, layer) is absent or does not verify against its manifest (a partition
-    deleted or damaged upstream makes the layer stale: see storage.integrity), or if the tables
-    were written under different configurations or code versions (a run that stopped midway)."""
-    path = partition_file(root, LAST_TABLE, model, layer)
-    for table in TABLES:
-        folder = partition_dir(root, table, model, layer)
-        # every file of the folder counts: one its manifest does not list (a stray copy) makes it stale
-        files = [partition_file(root, table, model, layer), *(f for f in folder.glob("*.parquet") if f.name != PART_FILE)]
-        if any(partition_error(file) is not None for file in files):
-            return None
-    if len(layer_runs(root, model, layer, TABLES)) > 1:  # tables of another run's settings: not one result
-        return None
-    table = read_file(path).select(["config_id", "code_version"])
-    if len(table) == 0:
-        return None
-    return table["config_id"][0].as_py(), table["code_version"][0].as_py()
+def stale_stages(root: Path, model: str, layer: int, config_id: str, versions: dict[str, str]) -> list[str]:
+    """The stages of a (model, layer) to recompute, in the stages' order: those with a table that is
+    absent, does not verify against its manifest (a partition deleted or damaged, or a stray file
+    beside it: see storage.integrity), holds no rows where the stage always writes some, or was written
+    under another configuration or another code version of the stage (`updatelens.versions`), and
+    every stage that reads their tables. A layer a run with other settings left half-written is
+    stale from its first stage of those settings on."""
+    stale: set[str] = set()
+    for stage in STAGES:
+        has_rows = False
+        for table in stage.tables:
+            folder = partition_dir(root, table, model, layer)
+            # every file of the folder counts: one its manifest does not list (a stray copy) makes it stale
+            files = [partition_file(root, table, model, layer),
+                     *(f for f in folder.glob("*.parquet") if f.name != PART_FILE)]
+            entry = read_manifest(files[0])
+            if entry is None or any(partition_error(file) is not None for file in files):
+                stale.add(stage.name)
+                break
+            if entry.get("rows"):
+                has_rows = True
+                if (entry.get("config_id"), entry.get("code_version")) != (config_id, versions[stage.name]):
+                    stale.add(stage.name)
+                    break
+        else:
+            if not has_rows and not stage.may_be_empty:
+                stale.add(stage.name)
+    return with_readers(stale)
 
 
-def stale_keys(root: Path, model: str, n_layers: int, config_id: str, code_version: str) -> list[str]:
-    keys = model_keys(model, n_layers)
-    return [key for layer, key in enumerate(keys)
-            if partition_state(root, model, layer) != (config_id, code_version)]
+def stale_plan(root: Path, model: str, layers: list[int], config_id: str, versions: dict[str, str]) -> dict[int, list[str]]:
+    """{layer: its stale stages} for the layers with any."""
+    plan = {layer: stale_stages(root, model, layer, config_id, versions) for layer in layers}
+    return {layer: stages for layer, stages in plan.items() if stages}
+

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import dagster as dg
 
-from updatelens import CODE_VERSION
 from updatelens.assets.partitions import (
     MODEL_LAYER,
     MODELS,
@@ -23,11 +22,12 @@ from updatelens.assets.pipeline import ASSETS
 from updatelens.assets.reports import comparison_report, convention_sweep, report
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.errors import ConfigError
-from updatelens.orchestration.registry_watch import stale_keys
+from updatelens.orchestration.registry_watch import stale_plan
 from updatelens.preflight import Preflight, preflight
 from updatelens.registry import get_corpus, get_model
 from updatelens.storage.layout import DAGSTER_DIR
 from updatelens.storage.location import default_data_root, is_url
+from updatelens.versions import stage_versions
 
 
 def dagster_yaml(model_pool_limit: int | None = None) -> str:
@@ -110,11 +110,21 @@ def contiguous_ranges(layers: Sequence[int]) -> list[list[int]]:
     return ranges
 
 
-def stale_layers(lens: UpdateLensResource, model: str, layers: Sequence[int]) -> list[int]:
-    """The requested layers whose results are missing or from another code version or config."""
-    keys = model_keys(model, max(layers) + 1)
-    stale = set(stale_keys(lens.root, model, len(keys), lens.config().config_id, CODE_VERSION))
-    return [layer for layer in layers if keys[layer] in stale]
+def stale_layers(lens: UpdateLensResource, model: str, layers: Sequence[int]) -> dict[int, list[str]]:
+    """{layer: the stages to recompute} for the requested layers whose results are missing, damaged or
+    from another configuration or code version of a stage (and the stages that read them), in order."""
+    plan = stale_plan(lens.root, model, list(layers), lens.config().config_id, stage_versions())
+    return {layer: plan[layer] for layer in layers if layer in plan}
+
+
+def run_groups(todo: dict[int, list[str]]) -> list[tuple[list[str], list[int]]]:
+    """The runs that recompute `todo`: (stages, a contiguous range of layers) with the same stages to
+    recompute, the layers of each in order (layers where only geometry is stale get a geometry run)."""
+    by_stages: dict[tuple[str, ...], list[int]] = {}
+    for layer, stages in sorted(todo.items()):
+        by_stages.setdefault(tuple(stages), []).append(layer)
+    return [(list(stages), layer_range) for stages, layers in by_stages.items()
+            for layer_range in contiguous_ranges(layers)]
 
 
 def check_inputs(model: str, lens: UpdateLensResource, layers: Sequence[int] | None = None,
@@ -171,8 +181,9 @@ def materialize_model(model: str, lens: UpdateLensResource, instance: dg.Dagster
                       layers: Sequence[int] | None = None,
                       selection: Sequence[dg.AssetsDefinition] | None = None,
                       log_level: str = "DEBUG", raise_on_error: bool = True,
-                      report: Preflight | None = None) -> dg.ExecuteInJobResult:
-    """One in-process run over a contiguous range of the model's layers (default: all)."""
+                      report: Preflight | None = None, stages: Sequence[str] | None = None) -> dg.ExecuteInJobResult:
+    """One in-process run over a contiguous range of the model's layers (default: all), of every stage
+    or of `stages` alone (with their checks; the stages before them are read from the data root)."""
     report = report or check_inputs(model, lens, layers)
     keys = register_model(instance, model, report.n_layers)
     register_model_key(instance, model)
@@ -187,6 +198,7 @@ def materialize_model(model: str, lens: UpdateLensResource, instance: dg.Dagster
         tags={**range_tags([keys[layer] for layer in chosen]), **in_process_tags()},
         run_config=log_config(log_level),
         raise_on_error=raise_on_error,
+        selection=[dg.AssetKey(stage) for stage in stages] if stages else None,
     )
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import dagster as dg
 
-from updatelens import CODE_VERSION
 from updatelens.assets.partitions import (
     MODEL_LAYER,
     MODELS,
@@ -21,31 +20,37 @@ from updatelens.errors import UpdateLensError
 from updatelens.models import read_shape
 from updatelens.orchestration.deployments import active_profile
 from updatelens.orchestration.jobs import analyse_job, comparison_job, report_job
-from updatelens.orchestration.registry_watch import fingerprint, registry_changes, stale_keys
+from updatelens.orchestration.registry_watch import fingerprint, registry_changes, stale_plan
 from updatelens.preflight import estimate_bytes
 from updatelens.stages import STAGE_NAMES
+from updatelens.versions import stage_versions
 
 
 def stale_run_requests(lens: UpdateLensResource, model: str, n_layers: int, run_key: str) -> list[dg.RunRequest]:
-    """Runs for the model's stale partitions: one range run if all are stale (the model is loaded
-    and captured once), else one run per stale key; none if everything is up to date. Under a
-    cluster profile (celery, k8s) always one run per key: independent tasks for the workers."""
+    """Runs for the model's stale partitions: one range run if every stage of every layer is stale
+    (the model is loaded and captured once), else one run per stale key of its stale stages (and
+    those that read them); none if everything is up to date. Under a cluster profile (celery, k8s)
+    always one run per key: independent tasks for the workers."""
     keys = model_keys(model, n_layers)
-    stale = stale_keys(lens.root, model, n_layers, lens.config().config_id, CODE_VERSION)
-    if stale == keys and not active_profile().per_layer_runs:
+    plan = stale_plan(lens.root, model, list(range(n_layers)), lens.config().config_id, stage_versions())
+    everything = len(plan) == n_layers and all(len(stages) == len(STAGE_NAMES) for stages in plan.values())
+    if everything and not active_profile().per_layer_runs:
         return [dg.RunRequest(run_key=f"{model}@{run_key}", tags=range_tags(keys))]
-    return [dg.RunRequest(run_key=f"{key}@{run_key}", partition_key=key) for key in stale]
+    return [dg.RunRequest(run_key=f"{keys[layer]}@{run_key}", partition_key=keys[layer],
+                          asset_selection=None if len(stages) == len(STAGE_NAMES) else [dg.AssetKey(s) for s in stages])
+            for layer, stages in sorted(plan.items())]
 
 
 def found_on_disk(lens: UpdateLensResource, model: str, n_layers: int) -> list[dg.AssetMaterialization]:
-    """The model's partitions already up to date in the data root (every table verifies against its
-    manifest, made by this code and configuration), as materializations of every stage: declarative
-    automation then runs only what is missing (a new instance over an existing data root recomputes
-    nothing)."""
-    stale = set(stale_keys(lens.root, model, n_layers, lens.config().config_id, CODE_VERSION))
+    """The stages of the model's partitions already up to date in the data root (every table verifies
+    against its manifest, made by this configuration and this code version of the stage), as
+    materializations: declarative automation then runs only what is missing (a new instance over an
+    existing data root recomputes nothing)."""
+    plan = stale_plan(lens.root, model, list(range(n_layers)), lens.config().config_id, stage_versions())
     return [dg.AssetMaterialization(stage, partition=key, description="found up to date in the data root",
                                     metadata={"data_root": lens.data_root})
-            for key in model_keys(model, n_layers) if key not in stale for stage in STAGE_NAMES]
+            for layer, key in enumerate(model_keys(model, n_layers)) for stage in STAGE_NAMES
+            if stage not in plan.get(layer, [])]
 
 
 def cost_estimate(lens: UpdateLensResource, model: str, n_partitions: int, width: int) -> str:

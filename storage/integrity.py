@@ -291,15 +291,17 @@ def quarantine(root: str | Path, file: str | Path, relative: str | None = None) 
     return target
 
 
-def layer_runs(root: str | Path, model: str, layer: int, tables: tuple[str, ...]) -> dict[tuple[str, str], list[str]]:
-    """The (config_id, code_version) each table of a (model, layer) was written under, from the
-    manifests: one key where the layer's tables agree; more after a run with other settings stopped
-    between its stages. An empty partition (its rows state none) does not count."""
-    runs: dict[tuple[str, str], list[str]] = {}
+def layer_runs(root: str | Path, model: str, layer: int, tables: tuple[str, ...]) -> dict[str, list[str]]:
+    """The configuration each table of a (model, layer) was written under, from the manifests: one key
+    where the layer's tables agree; more after a run with other settings stopped between its stages.
+    An empty partition (its rows state none) does not count. The tables' code versions may differ:
+    each stage records its own (`updatelens.versions`), and a stage made by other code is stale, not
+    damaged: the next run recomputes it and what reads it."""
+    runs: dict[str, list[str]] = {}
     for table in tables:
         entry = read_manifest(as_root(root) / table / f"model={model}" / f"layer={layer}" / PART_FILE)
         if entry is not None and entry.get("config_id"):
-            runs.setdefault((str(entry["config_id"]), str(entry.get("code_version"))), []).append(table)
+            runs.setdefault(str(entry["config_id"]), []).append(table)
     return runs
 
 
@@ -316,9 +318,9 @@ def stored_layers(root: str | Path, tables: tuple[str, ...]) -> dict[tuple[str, 
     return stored
 
 
-def mixed_layers(root: str | Path, tables: tuple[str, ...]) -> list[tuple[str, int, dict[tuple[str, str], list[str]]]]:
-    """(model, layer, tables per (config_id, code_version)) of every stored layer whose tables were
-    written under more than one configuration or code version: not one run's results."""
+def mixed_layers(root: str | Path, tables: tuple[str, ...]) -> list[tuple[str, int, dict[str, list[str]]]]:
+    """(model, layer, tables per config_id) of every stored layer whose tables were written under more
+    than one configuration: not one run's results."""
     out = []
     for model, layer in sorted(stored_layers(root, tables)):
         runs = layer_runs(root, model, layer, tables)

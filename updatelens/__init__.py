@@ -79,6 +79,7 @@ def _code_of(source: bytes) -> bytes:
     return ast.dump(tree, include_attributes=False).encode()
 
 
-# Recorded with every result row: the release plus a hash of the sources that compute and store the
-# results, so a changed computation is visible even without a release bump.
+# The release plus a hash of the sources that compute and store results: the key of the catalog's cache
+# and the version of the reports and of the calibration study's rows. The stages' rows record their own
+# stage's version instead (updatelens.versions), so a change to one stage leaves the others current.
 CODE_VERSION = f"{__version__}+{_source_hash()}"

@@ -44,18 +44,19 @@ def analyse_layer(lm: LoadedModel, data: LayerData, orig: OriginalOutput, cfg: A
     fits, neighbours = compute_fits(data, cfg)
     out: dict[str, pa.Table] = {}
     if "local_fits" in tables:
-        out["local_fits"] = fits_table(data, fits, neighbours, prov)
+        out["local_fits"] = fits_table(data, fits, neighbours, prov.for_stage("local_fits"))
     if "residuals" in tables:
-        out["residuals"] = residuals_table(data, fits, prov)
+        out["residuals"] = residuals_table(data, fits, prov.for_stage("residuals"))
     if {"geometry", "spectra", "geometry_bootstrap"} & set(tables):
-        out["geometry"], out["spectra"], out["geometry_bootstrap"] = geometry_tables(data, fits, cfg, prov)
+        out["geometry"], out["spectra"], out["geometry_bootstrap"] = geometry_tables(data, fits, cfg, prov.for_stage("geometry"))
     if {"functional_metrics", "functional_summary", "functional_bootstrap"} & set(tables):
-        fm, fs = functional_tables(lm, data, fits, orig, cfg, prov, returns_tuple)
+        fm, fs = functional_tables(lm, data, fits, orig, cfg, prov.for_stage("functional_metrics"), returns_tuple)
         out["functional_metrics"], out["functional_summary"] = fm, fs
         if "functional_bootstrap" in tables:
-            out["functional_bootstrap"] = functional_bootstrap_table(fm, cfg, prov, data.layer, sample_docs(data))
+            out["functional_bootstrap"] = functional_bootstrap_table(fm, cfg, prov.for_stage("functional_metrics"),
+                                                                     data.layer, sample_docs(data))
     if set(CONTROL_TABLES) & set(tables):
-        out.update(control_layer_tables(data, y_self, neighbours, cfg, prov))
+        out.update(control_layer_tables(data, y_self, neighbours, cfg, prov.for_stage("controls")))
     return {name: out[name] for name in TABLES if name in tables and name in out}
 
 

@@ -22,6 +22,7 @@ class Stage:
     kinds: tuple[str, ...]  # the technologies the UI shows on the asset
     description: str
     reads: tuple[str, ...] = ()  # the stages whose tables it reads: its Dagster dependencies, nothing else
+    may_be_empty: bool = False  # writes no rows where the configuration asks for none (no positive controls)
 
 
 STAGES: tuple[Stage, ...] = (
@@ -48,7 +49,7 @@ STAGES: tuple[Stage, ...] = (
           "Positive controls: the same classes, fitted on the same neighbours, to targets that are tokenwise "
           "by construction (block l with each token attending to itself alone; a linear map fitted without "
           "the token's document), measured like the real layer: the geometry tables with a `control` column. "
-          "What the estimator shows when the paper's structure is there.", ("activations", "local_fits")),
+          "What the estimator shows when the paper's structure is there.", ("activations", "local_fits"), may_be_empty=True),
     Stage("functional_metrics", "analysis", ("functional_metrics", "functional_summary", "functional_bootstrap"),
           True, ("functional_valid",), ("pytorch", "parquet"),
           "Per token KL of the next-token distribution when block l's output is replaced by T(h_l) (residual "
@@ -63,6 +64,7 @@ MODEL_STEPS = frozenset(stage.name for stage in STAGES if stage.needs_model)
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
 STAGE_NAMES: tuple[str, ...] = tuple(BY_NAME)
 TABLES_BY_STAGE: dict[str, tuple[str, ...]] = {s.name: s.tables for s in STAGES}
+STAGE_OF_TABLE: dict[str, str] = {t: s.name for s in STAGES for t in s.tables}
 # Every table the pipeline writes per (model, layer), in the stages' order.
 TABLES: tuple[str, ...] = tuple(t for s in STAGES for t in s.tables)
 # What a convention sweep stores per (configuration, model, layer): what the findings read, with

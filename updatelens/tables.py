@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -53,14 +53,20 @@ class Provenance:
                    config_id=cfg.config_id, k=cfg.k, rank=cfg.rank, dtype=cfg.fit_dtype, code_version=CODE_VERSION,
                    config_json=cfg.to_json(), model_layers=model_layers, weights=weights)
 
+    def for_stage(self, stage: str) -> Provenance:
+        """The rows of a stage record that stage's code version (`updatelens.versions`), not the whole tree's."""
+        from updatelens.versions import stage_version
+
+        return replace(self, code_version=stage_version(stage))
+
     @classmethod
-    def of_rows(cls, table: pa.Table, cfg: AnalysisConfig) -> Provenance:
+    def of_rows(cls, table: pa.Table, cfg: AnalysisConfig, stage: str) -> Provenance:
         """For a stage that reads stored rows: they say which model (its depth and weights), revision and
-        corpus slice."""
+        corpus slice; the rows it writes record its code version."""
         row = table.slice(0, 1).select(["model", "model_revision", "corpus", "corpus_slice", "model_layers",
                                         "weights"]).to_pylist()[0]
         return cls.of(row["model"], row["model_revision"], row["corpus"], row["corpus_slice"], cfg, row["model_layers"],
-                      row["weights"])
+                      row["weights"]).for_stage(stage)
 
     def columns(self, n: int) -> dict[str, pa.Array]:
         out: dict[str, pa.Array] = {}

@@ -44,7 +44,7 @@ def test_a_truncated_partition_is_left_out_named_quarantined_and_recomputed(
     listed = catalog.query(lens.root, "SELECT table_name, model, layer, reason FROM damaged_partitions").to_dicts()
     assert len(listed) == 1 and listed[0]["table_name"] == "residuals" and listed[0]["layer"] == 1
     assert "its manifest says" in listed[0]["reason"] and "truncated" in listed[0]["reason"]
-    assert stale_layers(lens, MODEL, [0, 1]) == [1]
+    assert stale_layers(lens, MODEL, [0, 1]) == {1: ["residuals"]}  # no stage reads the residuals
     notes = build_model_report(lens.root, MODEL).notes  # the report does not present layer 1 as complete
     assert any("Layer 1: its residuals partition is damaged" in n for n in notes), notes
     # verify reports it (exit 1); --repair moves it aside, never deletes it
@@ -60,7 +60,7 @@ def test_a_truncated_partition_is_left_out_named_quarantined_and_recomputed(
     assert (kept[0].parent / MANIFEST).exists()  # its manifest goes with it
     # the next run recomputes exactly that layer
     assert materialize_model(MODEL, lens, instance, layers=[1], log_level="WARNING").success
-    assert stale_layers(lens, MODEL, [0, 1]) == []
+    assert stale_layers(lens, MODEL, [0, 1]) == {}
     assert main(["verify", "--data-root", lens.data_root]) == 0
 
 
@@ -68,7 +68,7 @@ def test_a_damaged_file_replaced_by_a_run_is_kept_in_quarantine(
         stored: tuple[UpdateLensResource, dg.DagsterInstance]) -> None:
     lens, instance = stored
     truncate(Path(partition_file(lens.root, "geometry", MODEL, 0)))
-    assert stale_layers(lens, MODEL, [0, 1]) == [0]
+    assert stale_layers(lens, MODEL, [0, 1]) == {0: ["geometry"]}
     with pytest.warns(UserWarning, match="replaced a damaged partition file"):
         assert materialize_model(MODEL, lens, instance, layers=[0], log_level="WARNING").success
     kept = list((Path(lens.data_root) / QUARANTINE).rglob("part-0.parquet"))
@@ -80,7 +80,7 @@ def test_a_deleted_partition_makes_its_layer_stale_and_incomplete(
         stored: tuple[UpdateLensResource, dg.DagsterInstance], capsys: pytest.CaptureFixture) -> None:
     lens, _ = stored
     Path(partition_file(lens.root, "spectra", MODEL, 1)).unlink()
-    assert stale_layers(lens, MODEL, [0, 1]) == [1]
+    assert stale_layers(lens, MODEL, [0, 1]) == {1: ["geometry"]}
     assert main(["verify", "--data-root", lens.data_root]) == 1
     assert f"incomplete: model={MODEL} layer=1: no spectra" in capsys.readouterr().out
 
@@ -98,7 +98,8 @@ def test_every_partition_has_a_manifest_and_a_flipped_bit_is_caught(
     data[len(data) // 2] ^= 0x01
     file.write_bytes(bytes(data))
     assert "SHA-256" in partition_error(file)
-    assert stale_layers(lens, MODEL, [0, 1]) == [0]
+    # the fits and every stage that reads them
+    assert stale_layers(lens, MODEL, [0, 1]) == {0: ["local_fits", "residuals", "geometry", "controls", "functional_metrics"]}
     listed = catalog.query(lens.root, "SELECT table_name, layer, reason FROM damaged_partitions").to_dicts()
     assert [(r["table_name"], r["layer"]) for r in listed] == [("local_fits", 0)]
     (Path(partition_file(lens.root, "geometry", MODEL, 1)).parent / MANIFEST).unlink()
@@ -149,3 +150,39 @@ def test_the_study_record_reads_every_runs_step_times_from_its_dagster_home(zoo:
     others = sum(s["seconds"] for s in steps if s["step"] not in ("activations", "functional_metrics"))
     assert records["study_forward_at_gemm_rate_s"]["value"] == pytest.approx(
         records["study_forward_floor_s"]["value"] + others)
+
+
+def test_a_change_to_one_stages_code_reruns_that_stage_alone(
+        stored: tuple[UpdateLensResource, dg.DagsterInstance], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The geometry code changed (its version and the controls', which the same code measures): the run
+    recomputes geometry and controls of both layers in one run of those two stages, rewrites nothing
+    upstream or beside them, and the new rows record the new versions."""
+    import updatelens.orchestration.runner as runner
+    import updatelens.versions as versions
+    from updatelens.orchestration.runner import run_groups
+    from updatelens.stages import STAGES
+
+    lens, instance = stored
+    def manifests() -> dict[tuple[str, str, int], dict]:
+        return {(s.name, t, layer): read_manifest(partition_file(lens.root, t, MODEL, layer))
+                for s in STAGES for t in s.tables for layer in (0, 1)}
+
+    before = manifests()
+    old = versions.stage_versions()
+    new = {**old, "geometry": old["geometry"] + "-changed", "controls": old["controls"] + "-changed"}
+    monkeypatch.setattr(versions, "stage_versions", lambda: new)
+    monkeypatch.setattr(runner, "stage_versions", lambda: new)
+    plan = stale_layers(lens, MODEL, [0, 1])
+    assert plan == {0: ["geometry", "controls"], 1: ["geometry", "controls"]}
+    assert run_groups(plan) == [(["geometry", "controls"], [0, 1])]
+    result = materialize_model(MODEL, lens, instance, layers=[0, 1], log_level="WARNING", stages=["geometry", "controls"])
+    assert result.success
+    ran = {event.asset_key.path[-1] for event in result.get_asset_materialization_events()}
+    assert ran == {"geometry", "controls"}
+    assert {e.asset_check_key.name for e in result.get_asset_check_evaluations()} >= {"geometry_ranges", "controls_valid"}
+    assert stale_layers(lens, MODEL, [0, 1]) == {}
+    for (stage, table, layer), entry in manifests().items():
+        if stage in ("geometry", "controls"):
+            assert entry["rows"] and entry["code_version"] == new[stage], (table, layer)
+        else:
+            assert entry == before[(stage, table, layer)], f"{table} of layer {layer} was rewritten"

@@ -8,6 +8,7 @@ imports only go down: orchestration -> assets -> reports -> storage -> the engin
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 
 from updatelens import CODE_VERSION
 from updatelens.registry import PACKAGED_REGISTRY, REPO_REGISTRY
+from updatelens.versions import stage_versions
 
 REPO = Path(__file__).resolve().parents[2]
 # lower number = lower layer; a module may import its own layer or any lower one
@@ -100,17 +102,21 @@ for generic in ("assets", "storage", "reports", "orchestration"):
 import updatelens.assets.checks, updatelens.orchestration.definitions
 from updatelens.registry import registry_path
 from updatelens import CODE_VERSION
+from updatelens.versions import stage_versions
+import json
 print(updatelens.assets.checks.__file__)
 print(registry_path())
 print(CODE_VERSION)
+print(json.dumps(stage_versions(), separators=(",", ":")))
 """
     out = subprocess.run([sys.executable, "-c", probe], cwd=outside, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
-    checks_file, registry, installed_version = out.stdout.split()
+    checks_file, registry, installed_version, installed_stages = out.stdout.split()
     assert checks_file.startswith(str(site)) and registry == str(site / "updatelens" / "default_registry.toml")
     # the version recorded with every row counts the same sources whether installed or checked out
     assert installed_version == CODE_VERSION
+    assert json.loads(installed_stages) == stage_versions()  # and each stage's version the same
     cli = subprocess.run([sys.executable, "-m", "updatelens.orchestration.cli", "--help"], cwd=outside, env=env,
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0 and "usage: updatelens" in cli.stdout, cli.stderr

@@ -76,7 +76,8 @@ def test_a_manifest_that_does_not_name_its_partition_is_not_trusted(tmp_path: Pa
 
 
 def test_a_stray_file_is_quarantined_alone_and_its_partition_is_stale(tmp_path: Path) -> None:
-    from updatelens.orchestration.registry_watch import partition_state
+    from updatelens.orchestration.registry_watch import stale_stages
+    from updatelens.versions import stage_versions
 
     two_layers(tmp_path)
     folder = partition_dir(tmp_path, "activations", "m", 4)
@@ -85,7 +86,8 @@ def test_a_stray_file_is_quarantined_alone_and_its_partition_is_stale(tmp_path: 
     _, damaged = scan(tmp_path, ("activations",))
     assert [(Path(d.path).name, d.layer) for d in damaged] == [("part-1.parquet", 4)]
     assert "not listed in a manifest" in damaged[0].reason
-    assert partition_state(tmp_path, "m", 4) is None  # stale: the next run rewrites the partition
+    # stale: the next run rewrites the partition (and what reads it)
+    assert stale_stages(tmp_path, "m", 4, "c1", stage_versions())[0] == "activations"
     where = quarantine(tmp_path, stray)
     assert where.exists() and not (where.parent / MANIFEST).exists()  # the manifest is part-0's: it stays
     assert sorted(p.name for p in folder.iterdir()) == [MANIFEST, "part-0.parquet"]
@@ -429,7 +431,7 @@ def test_a_layer_whose_tables_come_from_two_runs_is_incomplete(tmp_path: Path,
             write_partition(tmp_path, table, "m", layer, rows(layer))
     write_partition(tmp_path, "activations", "m", 3, rows(3, config="c2"))
     mixed = mixed_layers(tmp_path, ("activations", "local_fits"))
-    assert [(model, layer, sorted(config for config, _ in runs)) for model, layer, runs in mixed] == [("m", 3, ["c1", "c2"])]
+    assert [(model, layer, sorted(runs)) for model, layer, runs in mixed] == [("m", 3, ["c1", "c2"])]
     assert main(["verify", "--data-root", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "incomplete: model=m layer=3: its tables come from different runs: activations at config c2" in out, out

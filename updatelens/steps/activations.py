@@ -14,7 +14,8 @@ from updatelens.tables import Provenance, vector_column, with_provenance
 
 
 def provenance(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig) -> Provenance:
-    return Provenance.of(lm.slug, lm.revision, sample.corpus, sample.slice_desc, cfg, lm.n_layers, lm.weights)
+    prov = Provenance.of(lm.slug, lm.revision, sample.corpus, sample.slice_desc, cfg, lm.n_layers, lm.weights)
+    return prov.for_stage("activations")
 
 
 
