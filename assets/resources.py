@@ -16,7 +16,7 @@ import torch
 from upath import UPath
 
 from updatelens.assets.checks import CheckSettings
-from updatelens.config import AnalysisConfig, json_object_env
+from updatelens.config import AnalysisConfig, field_help, json_object_env
 from updatelens.corpus import Sample, make_sample
 from updatelens.models import LoadedModel, load_model, window_bos
 from updatelens.registry import get_corpus, get_model, registry_path
@@ -25,14 +25,15 @@ from updatelens.storage.store import Store
 
 
 def _settings_fields() -> dict[str, Any]:
+    """The launchpad's fields: AnalysisConfig's, with each one's help, choices and default as its description."""
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(AnalysisConfig):
         default = f.default
         if isinstance(default, tuple):
             inner = type(default[0]) if default else str
-            fields[f.name] = (list[inner], list(default))  # type: ignore[valid-type]
+            fields[f.name] = (list[inner], pydantic.Field(list(default), description=field_help(f)))  # type: ignore[valid-type]
         else:
-            fields[f.name] = (type(default), default)
+            fields[f.name] = (type(default), pydantic.Field(default, description=field_help(f)))
     return fields
 
 

@@ -9,6 +9,7 @@ import errno
 import os
 import sys
 
+from updatelens.config import field_help, flag_fields, settings_help
 from updatelens.orchestration.commands import (
     cmd_calibrate,
     cmd_converge,
@@ -27,21 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="updatelens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="materialize all five stages for a model, headless")
+    run = sub.add_parser("run", help="materialize every stage for a model, headless", epilog=settings_help(),
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("--model", default="smollm2-135m", help="registry slug (default: the embedded SmolLM2)")
     run.add_argument("--corpus", default="wiki-embedded")
     run.add_argument("--layers", help="layers like 3-7, 0,15,29 or 3-7,10 (default: all, or the preset's)")
     run.add_argument("--preset", help="named settings: study (1024 x 128 tokens; first, middle and last layer; "
                                       "intervals for every finding); --set and the flags override them")
-    run.add_argument("--classes", help="comma-separated function classes (default diagonal,lowrank)")
-    run.add_argument("--n-seq", dest="n_seq", type=int)
-    run.add_argument("--seq-len", dest="seq_len", type=int)
-    run.add_argument("--k", type=int)
-    run.add_argument("--rank", type=int)
+    for field in flag_fields():  # from the configuration's declaration (updatelens.config.setting)
+        run.add_argument(field.metadata["flag"], dest=field.name, help=field_help(field))
     run.add_argument("--force", action="store_true",
                      help="recompute partitions that are already up to date (default: only missing or stale)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE",
-                     help="any AnalysisConfig field, e.g. --set exclusion=self --set controls='[\"random\"]'")
+                     help="any setting listed below, e.g. --set exclusion=self --set controls=random")
     run.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
     run.add_argument("--registry", help="default: $UPDATELENS_REGISTRY or registry/registry.toml")
     run.add_argument("--profile", choices=["local", "celery", "k8s"],

@@ -96,7 +96,7 @@ def _parse_layers(text: str | None) -> list[int] | None:
 def _settings(args: argparse.Namespace) -> dict[str, object]:
     """The analysis settings of the command line (preset, --set, flags), checked: an unknown key or a
     value of the wrong type is a ConfigError naming it."""
-    from updatelens.config import AnalysisConfig, preset_settings
+    from updatelens.config import AnalysisConfig, flag_fields, parse_setting, preset_settings
     from updatelens.errors import ConfigError
 
     preset = getattr(args, "preset", None)
@@ -105,15 +105,10 @@ def _settings(args: argparse.Namespace) -> dict[str, object]:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ConfigError(f"--set {item!r}: write KEY=VALUE, e.g. --set k=32")
-        try:
-            settings[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            settings[key.strip()] = value
-    if args.classes:
-        settings["classes"] = args.classes.split(",")
-    for name in ("n_seq", "seq_len", "k", "rank"):
-        if getattr(args, name) is not None:
-            settings[name] = getattr(args, name)
+        settings[key.strip()] = parse_setting(key.strip(), value)
+    for field in flag_fields():  # the flags of the settings that have one (e.g. --k), after --set
+        if getattr(args, field.name, None) is not None:
+            settings[field.name] = parse_setting(field.name, getattr(args, field.name))
     AnalysisConfig.from_dict(settings)
     return settings
 

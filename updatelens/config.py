@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from updatelens.errors import ConfigError
 
@@ -32,6 +33,17 @@ POSITIVE_CONTROLS = ("self_only", "linear")
 EXECUTION_KEYS = ("anchor_chunk", "patch_batch", "capture_batch", "kl_block", "kl_budget_mb")
 
 
+def setting(default: object, *, choices: tuple[str, ...] = (), minimum: float | None = None, what: str = "",
+            flag: str = "", help: str = "") -> Any:
+    """A field of AnalysisConfig with what checking, the Dagster launchpad and the command line need to
+    know of it: `choices` (a string field's values, or a list field's items' values; `what` names them
+    in the error), `minimum`, `flag` (a flag of `updatelens run` of its own, e.g. "--k") and `help`.
+    From these come the per-field checks of `validate`, the Dagster config's descriptions, the flags and
+    `updatelens run --help`'s list of settings."""
+    return dataclasses.field(default=default, metadata={"choices": choices, "minimum": minimum, "what": what,
+                                                        "flag": flag, "help": help})
+
+
 def json_object_env(name: str) -> dict[str, object] | None:
     """The JSON object held by environment variable `name`; None when it is unset or empty. A value
     that is not valid JSON, or not an object, is a ConfigError naming the variable."""
@@ -52,74 +64,79 @@ class AnalysisConfig:
     """Everything that determines the numbers. Hashed into `config_id`, written beside each result."""
 
     # sample
-    n_seq: int = 16
-    seq_len: int = 128
-    corpus_offset: int = 0  # number of corpus windows skipped before the sample starts
-    # at most this many windows from one document (0: no limit): windows of one article are not
-    # independent, so the sample spreads over documents (the default 16 windows: 16 articles)
-    windows_per_doc: int = 1
-    skip_first_position: bool = True  # drop position 0 (the attention sink) from every statistic
+    n_seq: int = setting(16, minimum=1, flag="--n-seq", help="windows of the corpus in the sample")
+    seq_len: int = setting(128, minimum=2, flag="--seq-len", help="tokens per window")
+    corpus_offset: int = setting(0, minimum=0, help="corpus windows skipped before the sample starts")
+    # windows of one article are not independent, so the sample spreads over documents (the default 16
+    # windows: 16 articles)
+    windows_per_doc: int = setting(1, minimum=0, help="at most this many windows from one document (0: no limit)")
+    skip_first_position: bool = setting(True, help="drop position 0 (the attention sink) from every statistic")
     # neighbours
-    k: int = 64
-    metric: str = "cosine_centered"
-    exclusion: str = "document"  # the anchor's own document is never its neighbour
-    # "auto": exact search up to ann_threshold kept tokens per layer, the clustered approximate index
-    # above (exact search costs N^2 d; `python -m bench --only knn` measures both against N)
-    index: str = "auto"
-    ann_threshold: int = 32768
+    k: int = setting(64, minimum=1, flag="--k", help="neighbours of each local fit")
+    metric: str = setting("cosine_centered", choices=METRICS, what="metric", help="the neighbours' distance")
+    exclusion: str = setting("document", choices=EXCLUSIONS, what="neighbour exclusion",
+                             help="who may not be a token's neighbour: its document, sequence, itself, or none")
+    # exact search costs N^2 d; `python -m bench --only knn` measures both against N
+    index: str = setting("auto", choices=INDEXES, what="index",
+                         help="the k-NN index; auto: exact up to ann_threshold kept tokens per layer, clustered above")
+    ann_threshold: int = setting(32768, minimum=1, help="kept tokens per layer above which index=auto is approximate")
     # fits
-    classes: tuple[str, ...] = ("diagonal", "lowrank")
-    rank: int = 8
-    ridge: float = 1e-3  # times the mean eigenvalue of each fit's normal matrix
-    fit_dtype: str = "float64"
-    orthogonal_scale: bool = True
-    max_cond: float = 1e10  # fits whose regularised system is worse are flagged degenerate
-    folds: int = 2  # sequence folds for the per-layer classes (global_linear, mlp)
-    mlp_hidden: int = 256
-    mlp_steps: int = 300
-    mlp_lr: float = 1e-3
-    # anchors per batched solve: 32 measured fastest on the CPU with one chunk per worker thread
-    # (SmolLM2, k=64: 1945 lowrank anchors/s vs 1853 at 64); raise it on a GPU
-    anchor_chunk: int = 32
+    classes: tuple[str, ...] = setting(("diagonal", "lowrank"), choices=FN_CLASSES, what="function class",
+                                       flag="--classes", help="function classes of T, comma-separated")
+    rank: int = setting(8, minimum=1, flag="--rank", help="rank of the lowrank class")
+    ridge: float = setting(1e-3, minimum=0, help="the fits' ridge, times the mean eigenvalue of each normal matrix")
+    fit_dtype: str = setting("float64", choices=DTYPES, what="fit_dtype", help="the fits' solve precision")
+    orthogonal_scale: bool = setting(True, help="the orthogonal class fits a scale too")
+    max_cond: float = setting(1e10, minimum=1, help="fits whose regularised system is worse are flagged degenerate")
+    folds: int = setting(2, help="sequence folds of the per-layer classes (global_linear, mlp)")
+    mlp_hidden: int = setting(256, minimum=1, help="hidden width of the mlp class")
+    mlp_steps: int = setting(300, minimum=1, help="training steps of the mlp class")
+    mlp_lr: float = setting(1e-3, help="learning rate of the mlp class")
+    # 32 measured fastest on the CPU with one chunk per worker thread (SmolLM2, k=64: 1945 lowrank
+    # anchors/s vs 1853 at 64); raise it on a GPU
+    anchor_chunk: int = setting(32, minimum=1, help="anchors per batched solve (batching only)")
     # geometry
-    subspace_ms: tuple[int, ...] = (1, 4, 16, 64)
-    energy_threshold: float = 0.9
-    # bootstrap over documents: resamples behind every finding's interval but finding 3's. The effective
-    # ranks of finding 3 take a delete-a-group jackknife over documents instead (`jackknife_groups`
-    # groups, each left out once; leave-one-out where there are fewer documents): an effective rank on
-    # a resample drawn with replacement is biased low (repeated documents look like fewer directions),
-    # so the bootstrap's percentile interval can miss its own point; the jackknife's is centred on it.
-    # Each group costs five d x d eigendecompositions per class and layer (0: finding 3 without interval)
-    bootstrap: int = 200
-    jackknife_groups: int = 20
-    bootstrap_unit: str = "document"  # the independent unit a resample draws with replacement
+    subspace_ms: tuple[int, ...] = setting((1, 4, 16, 64), help="top-m tokenwise subspaces projected on (must hold 16)")
+    energy_threshold: float = setting(0.9, help="energy share that defines the dominant subspace, in (0, 1]")
+    # The effective ranks of finding 3 take a delete-a-group jackknife over documents instead of the
+    # bootstrap (each group left out once; leave-one-out where there are fewer documents): an effective
+    # rank on a resample drawn with replacement is biased low (repeated documents look like fewer
+    # directions), so the bootstrap's percentile interval can miss its own point; the jackknife's is
+    # centred on it. Each group costs five d x d eigendecompositions per class and layer
+    bootstrap: int = setting(200, minimum=0, help="bootstrap resamples over documents behind the findings' intervals")
+    jackknife_groups: int = setting(20, minimum=0, help="jackknife groups of finding 3's interval (0: none)")
+    bootstrap_unit: str = setting("document", choices=UNITS, what="bootstrap_unit",
+                                  help="the independent unit a resample draws with replacement")
     # functional metrics
-    patch_mode: str = "auto"
-    single_positions: int = 4  # positions per sequence in "single" patch mode
-    # positions per sequence whose total effect on the later positions is measured: the sum over the
-    # positions after t of the KL when t alone has r removed, one patched pass each (0: none). 1 per
+    patch_mode: str = setting("auto", choices=PATCH_MODES, what="patch_mode",
+                              help="how the residual is removed for the KL (auto: exact where supported)")
+    single_positions: int = setting(4, minimum=1, help="positions per sequence in the single patch mode")
+    # the sum over the positions after t of the KL when t alone has r removed, one patched pass each. 1 per
     # sequence (16 tokens a layer, 480 over SmolLM2's 30): 2 made the default job 1.57 x the job without
     # the control and the later effects (bench/records/calibration_cost-later_positions2-smollm2-135m.json)
-    later_positions: int = 1
-    controls: tuple[str, ...] = ("random", "crude")
-    control_class: str = ""  # class whose residual the controls use; "" = the last class listed
-    crude_class: str = "diagonal"
+    later_positions: int = setting(1, minimum=0, help="positions per sequence whose effect on later positions is "
+                                                      "measured (0: none)")
+    controls: tuple[str, ...] = setting(("random", "crude"), choices=CONTROLS, what="control",
+                                        help="the functional controls, each a patched pass")
+    control_class: str = setting("", help="class whose residual the controls use (empty: the last class listed)")
+    crude_class: str = setting("diagonal", help="the crude control's class")
     # self_only by default (the linear control doubles the stage's cost: the calibration study runs
     # both); where the architecture has no self-only block, the linear control stands in for it
-    positive_controls: tuple[str, ...] = ("self_only",)
-    patch_batch: int = 8  # rows (variant x sequence) per patched forward pass (8: measured fastest on SmolLM2, CPU)
-    # sequences whose unpatched distributions are held at once by the functional stage: its memory is
-    # block x seq_len x vocabulary x 4 bytes, whatever n_seq, the block being kl_block capped by kl_budget_mb
-    # below (SmolLM2: 10 x 128 x 49,152 x 4 bytes = 240 MiB)
-    kl_block: int = 16
-    # ... and at most this many MiB of them: a 262,144-token vocabulary (Gemma) makes one 128-token
-    # sequence 128 MiB of float32 log-probabilities, so its block is 2 sequences (`kl_block_size`;
-    # SmolLM2's 10), which keeps Gemma's default job within its 3 GiB memory target
-    kl_budget_mb: int = 256
+    positive_controls: tuple[str, ...] = setting(("self_only",), choices=POSITIVE_CONTROLS, what="positive control",
+                                                 help="targets tokenwise by construction, measured like the layer")
+    # 8: measured fastest on SmolLM2, CPU
+    patch_batch: int = setting(8, minimum=1, help="rows (variant x sequence) per patched forward pass (batching only)")
+    # the functional stage's memory is block x seq_len x vocabulary x 4 bytes, whatever n_seq, the block
+    # being kl_block capped by kl_budget_mb (SmolLM2: 10 x 128 x 49,152 x 4 bytes = 240 MiB)
+    kl_block: int = setting(16, minimum=1, help="sequences whose unpatched distributions are held at once")
+    # a 262,144-token vocabulary (Gemma) makes one 128-token sequence 128 MiB of float32
+    # log-probabilities, so its block is 2 sequences (`kl_block_size`; SmolLM2's 10), which keeps Gemma's
+    # default job within its 3 GiB memory target
+    kl_budget_mb: int = setting(256, minimum=1, help="... and at most this many MiB of them")
     # execution
-    capture_batch: int = 8
-    device: str = "cpu"
-    seed: int = 0
+    capture_batch: int = setting(8, minimum=1, help="sequences per captured forward pass (batching only)")
+    device: str = setting("cpu", help="cpu or cuda[:i]")
+    seed: int = setting(0, help="seed of every random draw (resamples, random directions, sampled positions, index training)")
 
     def __post_init__(self) -> None:
         # tuples survive JSON and Dagster config as lists; normalise so hashing is stable
@@ -135,40 +152,22 @@ class AnalysisConfig:
         def bad(msg: str) -> None:
             raise ConfigError(msg)
 
-        if self.n_seq < 1:
-            bad(f"n_seq must be >= 1, got {self.n_seq}")
-        if self.seq_len < 2:
-            bad(f"seq_len must be >= 2, got {self.seq_len}")
+        for f in dataclasses.fields(self):  # what each field declares (`setting`)
+            value, meta = getattr(self, f.name), f.metadata
+            for item in (value if isinstance(value, tuple) else (value,)):
+                if meta.get("choices") and item not in meta["choices"]:
+                    bad(f"unknown {meta['what']} {item!r}; choose from {', '.join(meta['choices'])}")
+            if meta.get("minimum") is not None and value < meta["minimum"]:
+                bad(f"{f.name} must be >= {meta['minimum']}, got {value}")
         if max_positions is not None and self.seq_len > max_positions:
             bad(f"seq_len={self.seq_len} exceeds the model's context of {max_positions} positions; "
                 f"lower seq_len")
-        for c in self.classes:
-            if c not in FN_CLASSES:
-                bad(f"unknown function class {c!r}; choose from {', '.join(FN_CLASSES)}")
         if not self.classes:
             bad("classes is empty; list at least one function class")
         if len(set(self.classes)) != len(self.classes):
             bad(f"classes lists a class twice: {self.classes}")
-        if self.metric not in METRICS:
-            bad(f"unknown metric {self.metric!r}; choose from {', '.join(METRICS)}")
-        if self.exclusion not in EXCLUSIONS:
-            bad(f"unknown neighbour exclusion {self.exclusion!r}; choose from {', '.join(EXCLUSIONS)}")
-        if self.index not in INDEXES:
-            bad(f"unknown index {self.index!r}; choose from {', '.join(INDEXES)}")
-        if self.fit_dtype not in DTYPES:
-            bad(f"unknown fit_dtype {self.fit_dtype!r}; choose from {', '.join(DTYPES)}")
-        if self.patch_mode not in PATCH_MODES:
-            bad(f"unknown patch_mode {self.patch_mode!r}; choose from {', '.join(PATCH_MODES)}")
-        for c in self.controls:
-            if c not in CONTROLS:
-                bad(f"unknown control {c!r}; choose from {', '.join(CONTROLS)}")
-        for c in self.positive_controls:
-            if c not in POSITIVE_CONTROLS:
-                bad(f"unknown positive control {c!r}; choose from {', '.join(POSITIVE_CONTROLS)}")
         if len(set(self.positive_controls)) != len(self.positive_controls):
             bad(f"positive_controls lists a control twice: {self.positive_controls}")
-        if self.k < 1:
-            bad(f"k must be >= 1, got {self.k}")
         n_kept_per_seq = self.seq_len - (1 if self.skip_first_position else 0)
         doc_windows = min(self.windows_per_doc or self.n_seq, self.n_seq)
         candidates = self.n_seq * n_kept_per_seq - {"document": doc_windows * n_kept_per_seq,
@@ -177,24 +176,14 @@ class AnalysisConfig:
             bad(f"k={self.k} must be below the number of candidate neighbours ({candidates} = kept "
                 f"tokens minus those excluded by exclusion={self.exclusion!r}); lower k or sample "
                 f"more sequences")
-        if self.rank < 1:
-            bad(f"rank must be >= 1, got {self.rank}")
         if d_model is not None and "lowrank" in self.classes and self.rank >= d_model:
             bad(f"rank={self.rank} must be below d_model={d_model}")
-        if self.ridge < 0:
-            bad(f"ridge must be >= 0, got {self.ridge}")
         if any(c in GLOBAL_CLASSES for c in self.classes):
             if self.folds < 2:
                 bad(f"folds must be >= 2 for held-out fits, got {self.folds}")
             if self.n_seq < self.folds:
                 bad(f"n_seq={self.n_seq} is below folds={self.folds}: each fold needs a held-out "
                     f"sequence")
-        if self.windows_per_doc < 0:
-            bad(f"windows_per_doc must be >= 0 (0: no limit), got {self.windows_per_doc}")
-        if self.bootstrap_unit not in UNITS:
-            bad(f"unknown bootstrap_unit {self.bootstrap_unit!r}; choose from {', '.join(UNITS)}")
-        if self.bootstrap < 0 or self.jackknife_groups < 0:
-            bad(f"bootstrap and jackknife_groups must be >= 0, got {self.bootstrap}, {self.jackknife_groups}")
         if self.jackknife_groups == 1:
             bad("jackknife_groups must be 0 (no interval for finding 3) or at least 2, got 1")
         if not self.subspace_ms or min(self.subspace_ms) < 1:
@@ -215,10 +204,6 @@ class AnalysisConfig:
                     f"{self.classes}; add it or drop 'crude' from controls")
         if self.control_class and self.control_class not in self.classes:
             bad(f"control_class={self.control_class!r} is not among classes {self.classes}")
-        if self.later_positions < 0:
-            bad(f"later_positions must be >= 0, got {self.later_positions}")
-        if min(self.patch_batch, self.capture_batch, self.anchor_chunk, self.kl_block, self.kl_budget_mb) < 1:
-            bad("patch_batch, capture_batch, anchor_chunk, kl_block and kl_budget_mb must be >= 1")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             bad(f"device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
 
@@ -267,6 +252,48 @@ class AnalysisConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
+
+def field_help(f: dataclasses.Field) -> str:
+    """A setting in one line: its help, its choices and its default (the launchpad's description, the
+    flags' help and `updatelens run --help`)."""
+    meta, default = f.metadata, f.default
+    shown = (",".join(map(str, default)) if isinstance(default, tuple)
+             else default if isinstance(default, str) and default else json.dumps(default))
+    parts = [meta.get("help", "")] if meta.get("help") else []
+    if meta.get("choices"):
+        parts.append(f"one{' or more' if isinstance(default, tuple) else ''} of {', '.join(meta['choices'])}")
+    if meta.get("minimum") is not None:
+        parts.append(f">= {meta['minimum']}")
+    parts.append(f"default {shown}")
+    return "; ".join(parts)
+
+
+def settings_help() -> str:
+    """Every setting with its help: the epilog of `updatelens run --help` (`--set NAME=VALUE`)."""
+    return "settings (--set NAME=VALUE; a list as JSON or comma-separated):\n" + "\n".join(
+        f"  {f.name}: {field_help(f)}" for f in dataclasses.fields(AnalysisConfig))
+
+
+def flag_fields() -> list[dataclasses.Field]:
+    """The settings with a flag of `updatelens run` of their own (e.g. --k)."""
+    return [f for f in dataclasses.fields(AnalysisConfig) if f.metadata.get("flag")]
+
+
+def parse_setting(name: str, text: str) -> object:
+    """A setting's value from the command line: a list as JSON or comma-separated, a string as given,
+    a number or true/false as JSON; its type is then checked by `AnalysisConfig.from_dict`."""
+    fields = {f.name: f for f in dataclasses.fields(AnalysisConfig)}
+    if name not in fields:
+        raise ConfigError(f"unknown configuration keys: [{name!r}]; known: {', '.join(sorted(fields))}")
+    default = fields[name].default
+    if isinstance(default, str):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        if isinstance(default, tuple):
+            return [item.strip() for item in text.split(",") if item.strip()]
+        return text  # the type check names it
 
 def _check_type(name: str, default: object, value: object) -> None:
     """ConfigError unless `value` has the type of the field's default (an int is a float too; a
