@@ -14,7 +14,8 @@ from updatelens.assets.common import Finished, Written, check_upstream, each_mod
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.steps.geometry import LayerGeometry
 from updatelens.steps.layer import sample_docs
-from updatelens.tables import Provenance
+from updatelens.storage.store import Store
+from updatelens.tables import Provenance, to_matrix
 
 
 @stage_asset
@@ -44,12 +45,26 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
             written.record(target, sink.rows)
             stored_spec = written.add(store.partition("spectra", model, layer), geo.spectra_table(prov, layer))
             written.add(store.partition("geometry_bootstrap", model, layer), geo.bootstrap_table(prov, layer))
-            n_kept = int(pc.sum(store.partition("activations", model, layer).read(["kept"])["kept"]).as_py())
+            n_kept, energy = kept_updates(store, model, layer)
             stored = target.read()
             written.note(model, layer, **geometry_figures(stored, stored_spec))
-            verdicts[f"{model}:{layer:02d}"] = checks.check_geometry(stored, stored_spec, n_kept, cfg.classes)
+            verdict = checks.check_geometry(stored, stored_spec, n_kept, cfg.classes)
+            verdict.merge(checks.check_spectra_energy(stored_spec, energy))
+            verdicts[f"{model}:{layer:02d}"] = verdict
     return finish(store, cfg, written, outcomes=[
         checks.Outcome("geometry", "geometry_ranges", verdicts, lens.checks)])
+
+
+def kept_updates(store: Store, model: str, layer: int) -> tuple[int, float]:
+    """The layer's kept tokens and sum ||y - x||^2 over them, read from the stored activations one row
+    group at a time: what the geometry's rows and the spectra of Δ_full are checked against."""
+    n_kept, energy = 0, 0.0
+    for part in store.partition("activations", model, layer).parts(["kept", "x", "y"]):
+        kept = part["kept"].to_numpy(zero_copy_only=False)
+        update = to_matrix(part["y"], np.float64)[kept] - to_matrix(part["x"], np.float64)[kept]
+        n_kept += int(kept.sum())
+        energy += float(np.einsum("ij,ij->", update, update))
+    return n_kept, energy
 
 
 def geometry_figures(tokens: pa.Table, spectra: pa.Table) -> dict[str, float]:

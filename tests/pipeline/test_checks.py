@@ -273,6 +273,31 @@ def test_a_block_written_twice_by_the_streamed_geometry_fails_its_check(zoo: Pat
     assert "ExpectCompoundColumnsToBeUnique" in evaluation.description
 
 
+def test_a_block_counted_twice_in_the_geometry_spectra_fails_its_check(zoo: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streamed geometry adds the first block of sequences to its Gram matrices twice: every token
+    row is still written once, but the spectrum of Δ_full no longer sums to the kept tokens' updates
+    in the stored activations, which geometry_ranges reports."""
+    import updatelens.assets.common as common
+    from updatelens.steps.geometry import LayerGeometry
+    from updatelens.steps.layer import LayerData
+
+    monkeypatch.setattr(common, "BLOCK_ROWS", 32)  # 2 sequences of 16 a block: 3 blocks
+    original = LayerGeometry.accumulate
+
+    def twice_the_first(self: LayerGeometry, data: LayerData, fits: dict) -> None:
+        original(self, data, fits)
+        if data.seq_offset == 0:
+            original(self, data, fits)
+
+    monkeypatch.setattr(LayerGeometry, "accumulate", twice_the_first)
+    result, _ = run(zoo, tmp_path)
+    evaluation = evaluations(result)["geometry_ranges"]
+    assert not evaluation.passed
+    assert "the spectrum of Δ_full sums to" in evaluation.description, evaluation.description
+    assert "ExpectTableRowCountToEqual" not in evaluation.description  # the token rows are right
+
+
 def test_a_control_lost_or_out_of_range_fails_the_controls_check(zoo: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The controls stage loses its self-only control (only the linear one is stored, where both were
