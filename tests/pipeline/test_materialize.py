@@ -28,7 +28,7 @@ LAYER_SUMMARY_COLUMNS = {"model", "layer", "fn_class", "n_tokens", "rel_err_medi
                          "kl_mean", "spearman_relerr_kl"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # a worker that leaves this module and comes back keeps it
 def run(zoo: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[UpdateLensResource, dg.DagsterInstance]:
     root = tmp_path_factory.mktemp("data")
     lens = UpdateLensResource(data_root=str(root), registry=str(zoo), analysis=AnalysisSettings(**SETTINGS))
