@@ -5,7 +5,7 @@ imports, directly or through other engine modules (the import closure, read from
 syntax trees without importing anything), as syntax trees without comments or docstrings, together
 with the versions of the stages it reads. So:
 
-- a fixed typo in a comment or a docstring changes no version;
+- a fixed typo in a comment, a docstring or a setting's help text changes no version;
 - a change to reports, the command line, orchestration or storage changes none (no stage's closure
   holds them: the asset modules' imports of other asset modules and of storage are wiring, not followed);
 - a change to the geometry code changes the version of geometry and of what reads its tables (none of
@@ -61,6 +61,16 @@ def imported_modules(source: bytes) -> set[str]:
     return names
 
 
+def computed_code(source: bytes) -> bytes:
+    """What a module computes (`_code_of`: no comments, docstrings or layout), also without the help texts
+    of the settings (`help=` of `config.setting`): rewording a setting's help changes no result."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setting":
+            node.keywords = [k for k in node.keywords if k.arg != "help"]
+    return _code_of(ast.unparse(tree).encode())
+
+
 def closure(start: Path, engine: Path = ENGINE) -> list[Path]:
     """`start` and every engine module it imports, directly or through other engine modules."""
     seen: dict[Path, None] = {start: None}
@@ -87,7 +97,7 @@ def compute_versions(engine: Path = ENGINE, assets: Path | None = None) -> dict[
         h = hashlib.sha1()
         for path in stage_sources(stage, engine, assets):
             relative = path.relative_to(assets.parent if path.is_relative_to(assets) else engine.parent)
-            h.update(relative.as_posix().encode() + b"\0" + _code_of(path.read_bytes()) + b"\0")
+            h.update(relative.as_posix().encode() + b"\0" + computed_code(path.read_bytes()) + b"\0")
         for read in stage.reads:
             h.update(f"{read}={versions[read]}".encode())
         versions[stage.name] = f"{__version__}+{h.hexdigest()[:8]}"

@@ -58,6 +58,7 @@ def test_a_docstring_or_a_comment_changes_no_stage(tmp_path: Path, baseline: dic
         "updatelens/geometry.py": ('"""', '"""A fixed typo. '),
         "updatelens/fits/lowrank.py": ("\n", "\n# a comment\n"),
         "updatelens/steps/functional_metrics.py": ('"""', '"""Reworded. '),
+        "updatelens/config.py": ('help="neighbours of each local fit"', 'help="the neighbours of each local fit"'),
     })
     assert differing(baseline, now) == []
 
@@ -90,6 +91,12 @@ def test_a_change_to_the_fits_makes_the_fits_and_every_stage_that_reads_them_sta
         tmp_path: Path, baseline: dict[str, str]) -> None:
     now = changed(tmp_path, {"updatelens/fits/lowrank.py": ("", "\nLOWRANK_CHANGED = 1\n")})
     assert differing(baseline, now) == ALL_READERS_OF_FITS
+
+
+def test_a_changed_default_in_the_configuration_makes_everything_stale(tmp_path: Path, baseline: dict[str, str]) -> None:
+    """The help text of a setting is not code; its default, minimum or choices are."""
+    now = changed(tmp_path, {"updatelens/config.py": ("setting(64, minimum=1,", "setting(64, minimum=2,")})
+    assert differing(baseline, now) == list(STAGE_NAMES)
 
 
 def test_a_change_to_the_capture_makes_everything_stale(tmp_path: Path, baseline: dict[str, str]) -> None:
