@@ -171,7 +171,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             print(f"profile {profile.name}: one run per layer for {len(todo)} layers, {args.max_runs} at a time",
                   flush=True)
-            for run in materialize_layers_distributed(args.model, lens, instance, todo, args.max_runs, report=report):
+            for run in materialize_layers_distributed(args.model, lens, instance, todo, args.max_runs, report=report,
+                                                      stages=plan):
                 checks += [(f"{name} (layer {run.layer})", passed, text) for name, passed, text in run.checks]
                 where = ", ".join(f"{step}@{host}" for step, host in run.workers.items())
                 print(f"  layer {run.layer}: run {run.run_id} {'ok' if run.success else 'FAILED'}"

@@ -48,16 +48,18 @@ class LayerRun:
     failure: str = ""
 
 
-def _layer_run(key: str, layer: int, run_config: dict[str, object]) -> LayerRun:
-    """One (model, layer) run, in its own process (like a run launcher's run worker): the executor
-    loop submits the steps and waits for them; the instance comes from $DAGSTER_HOME."""
+def _layer_run(key: str, layer: int, run_config: dict[str, object], stages: Sequence[str] | None = None) -> LayerRun:
+    """One (model, layer) run of every stage or of `stages` alone, in its own process (like a run
+    launcher's run worker): the executor loop submits the steps and waits for them; the instance
+    comes from $DAGSTER_HOME."""
     # dagster-celery registers its task on the executor's app again for every step it submits;
     # celery warns each time (6 lines per step), which says nothing about this run
     warnings.filterwarnings("ignore", message="Task name 'execute_plan' is already registered")
     job = dg.reconstructable(analyse_job)
     with dg.DagsterInstance.get() as instance, \
             dg.execute_job(job, instance=instance, run_config=run_config, tags={"dagster/partition": key},
-                           raise_on_error=False) as result:
+                           raise_on_error=False,
+                           asset_selection=[dg.AssetKey(s) for s in stages] if stages else None) as result:
         return LayerRun(layer=layer, run_id=result.run_id, success=result.success, checks=check_verdicts(result),
                         workers=step_workers(instance, result.run_id),
                         failure="" if result.success else failure_message(result))
@@ -79,12 +81,14 @@ def step_workers(instance: dg.DagsterInstance, run_id: str) -> dict[str, str]:
 
 def materialize_layers_distributed(model: str, lens: UpdateLensResource, instance: dg.DagsterInstance,
                                    layers: Sequence[int] | None = None, max_runs: int = 4,
-                                   log_level: str = "INFO", report: Preflight | None = None) -> list[LayerRun]:
+                                   log_level: str = "INFO", report: Preflight | None = None,
+                                   stages: dict[int, list[str]] | None = None) -> list[LayerRun]:
     """One run per (model, layer) partition, `max_runs` at a time, each executed by the code
     location's executor ($UPDATELENS_PROFILE: the celery or k8s executor sends every step to a
     worker). Each run's executor loop runs in its own spawned process (threads sharing one
     instance deadlocked here). Needs the persistent instance of $DAGSTER_HOME, which the workers
-    share: `instance` must be it."""
+    share: `instance` must be it. `stages`: the stages to run per layer (default: every stage), e.g.
+    the stale ones and their readers."""
     if instance.is_ephemeral:
         raise ConfigError("a distributed run needs a persistent Dagster instance (set DAGSTER_HOME)")
     report = report or check_inputs(model, lens, layers)
@@ -94,5 +98,5 @@ def materialize_layers_distributed(model: str, lens: UpdateLensResource, instanc
     run_config = lens_run_config(lens, log_level)
     with ProcessPoolExecutor(max_workers=max(1, min(max_runs, len(chosen))),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_layer_run, keys[layer], layer, run_config) for layer in chosen]
+        futures = [pool.submit(_layer_run, keys[layer], layer, run_config, (stages or {}).get(layer)) for layer in chosen]
         return [future.result() for future in futures]

@@ -76,6 +76,12 @@ def test_pipeline_on_local_cluster_equals_local_run(zoo: Path, tmp_path: Path, m
                 runs = materialize_layers_distributed(MODEL, remote, instance, layers=LAYERS, max_runs=len(LAYERS),
                                                       log_level="WARNING")
             cluster_wall = time.perf_counter() - start
+            # a stale stage and its readers alone: only their steps run on the workers
+            with dg.DagsterInstance.get() as instance:
+                again = materialize_layers_distributed(MODEL, remote, instance, layers=LAYERS, log_level="WARNING",
+                                                       stages={layer: ["geometry", "controls"] for layer in LAYERS})
+            assert all(r.success for r in again), [r.failure for r in again]
+            assert [sorted(r.workers) for r in again] == [["controls", "geometry"]] * len(LAYERS)
 
         # one run per (model, layer); every step succeeded, with the same check verdicts as locally
         assert [r.layer for r in runs] == LAYERS
