@@ -55,7 +55,8 @@ PROVENANCE: tuple[Column, ...] = (
     _c("k", I32, "neighbours per local fit"),
     _c("rank", I32, "rank of the low-rank class"),
     _c("dtype", STR, "floating type of the fits"),
-    _c("code_version", STR, "version of the engine that wrote the row"),
+    _c("code_version", STR, "code version that wrote the row: its stage's (updatelens.versions), or the whole tree's for a "
+       "study's rows (calibration)"),
     _c("config_json", STR, "the whole analysis configuration, as JSON"),
     _c("model_layers", I32, "the model's depth (the analysed layers may be fewer)"),
     _c("weights", STR, "the weights the model ran with: a GGUF's quantization (file type, tensors per type) "
