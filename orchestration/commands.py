@@ -156,7 +156,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for name in lens.store.clean_abandoned_staging():  # whatever the run then skips as up to date
         print(f"removed staging {name} left by a crashed run")
     wanted = layers or (preset_layers(args.preset, report.n_layers) if args.preset else list(range(report.n_layers)))
-    plan = {layer: list(STAGE_NAMES) for layer in wanted} if args.force else stale_layers(lens, args.model, wanted)
+    plan = stale_layers(lens, args.model, wanted, force=args.force)
     todo = sorted(plan)
     if not todo:
         print("every requested partition is up to date (same code version of each stage and config); --force recomputes")

@@ -23,7 +23,6 @@ from updatelens.orchestration.runner import (
     stale_layers,
 )
 from updatelens.preflight import Preflight, check_data_root, estimate_bytes
-from updatelens.stages import STAGE_NAMES
 from updatelens.storage.layout import convergence_root
 from updatelens.storage.location import url
 
@@ -74,8 +73,7 @@ def run_convergence(plan: ConvergencePlan, force: bool = False, log: Callable[[s
     own and its runs go to that root's Dagster instance (`root_instance`), so they never show as the
     main root's materializations."""
     for n_tokens, sub in plan.sizes:
-        todo = ({layer: list(STAGE_NAMES) for layer in plan.layers} if force
-                else stale_layers(sub, plan.model, plan.layers))
+        todo = stale_layers(sub, plan.model, plan.layers, force=force)
         log(f"converge: {n_tokens} tokens ({sub.config().n_seq} sequences), layers "
             f"{','.join(map(str, todo)) or 'up to date'}")
         if not todo:

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from updatelens.registry import ModelEntry, load_models
-from updatelens.stages import STAGES
+from updatelens.stages import STAGES, with_readers
 from updatelens.storage.integrity import partition_error, read_manifest
 from updatelens.storage.layout import PART_FILE, partition_dir, partition_file
-from updatelens.versions import with_readers
 
 
 def fingerprint(entry: ModelEntry) -> str:

@@ -25,6 +25,7 @@ from updatelens.errors import ConfigError
 from updatelens.orchestration.registry_watch import stale_plan
 from updatelens.preflight import Preflight, preflight
 from updatelens.registry import get_corpus, get_model
+from updatelens.stages import STAGE_NAMES
 from updatelens.storage.layout import DAGSTER_DIR
 from updatelens.storage.location import default_data_root, is_url
 from updatelens.versions import stage_versions
@@ -110,9 +111,12 @@ def contiguous_ranges(layers: Sequence[int]) -> list[list[int]]:
     return ranges
 
 
-def stale_layers(lens: UpdateLensResource, model: str, layers: Sequence[int]) -> dict[int, list[str]]:
+def stale_layers(lens: UpdateLensResource, model: str, layers: Sequence[int], force: bool = False) -> dict[int, list[str]]:
     """{layer: the stages to recompute} for the requested layers whose results are missing, damaged or
-    from another configuration or code version of a stage (and the stages that read them), in order."""
+    from another configuration or code version of a stage (and the stages that read them), in order;
+    with `force`, every stage of every requested layer."""
+    if force:
+        return {layer: list(STAGE_NAMES) for layer in layers}
     plan = stale_plan(lens.root, model, list(layers), lens.config().config_id, stage_versions())
     return {layer: plan[layer] for layer in layers if layer in plan}
 

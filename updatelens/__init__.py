@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 __version__ = "0.1.0"
@@ -41,27 +42,36 @@ def _source_hash() -> str:
         source = path.read_bytes()
         raw.update(relative.encode() + b"\0" + source + b"\0")
         sources.append((relative, source))
-    # parsing every module costs about 0.2 s: the answer is kept per exact set of sources, so the
-    # light paths (sql, verify) pay it once per code change
-    memo = Path(os.environ.get("UPDATELENS_CACHE", Path.home() / ".cache" / "updatelens")) / "code_version"
-    key = raw.hexdigest()
+
+    def version() -> str:
+        h = hashlib.sha1()
+        for relative, source in sources:
+            h.update(relative.encode())
+            h.update(_code_of(source))
+        return h.hexdigest()[:8]
+
+    # parsing every module costs about 0.2 s: the light paths (sql, verify) pay it once per code change
+    return _memoized("code_version", raw.hexdigest(), version)
+
+
+def _memoized(kind: str, key: str, compute: Callable[[], str]) -> str:
+    """`compute()`, kept on disk under `kind`/`key` ($UPDATELENS_CACHE, default ~/.cache/updatelens):
+    a version computed from the sources is kept per exact set of their bytes (`key`). Written whole
+    (a temporary file, then renamed); a read-only home computes it again next time."""
+    memo = Path(os.environ.get("UPDATELENS_CACHE", Path.home() / ".cache" / "updatelens")) / kind
     try:
-        return (memo / key).read_text().strip()
+        return (memo / key).read_text()
     except OSError:
         pass
-    h = hashlib.sha1()
-    for relative, source in sources:
-        h.update(relative.encode())
-        h.update(_code_of(source))
-    version = h.hexdigest()[:8]
+    value = compute()
     try:
         memo.mkdir(parents=True, exist_ok=True)
         partial = memo / f"{key}.{os.getpid()}.tmp"
-        partial.write_text(version)
+        partial.write_text(value)
         os.replace(partial, memo / key)
-    except OSError:  # a read-only home: computed again next time
+    except OSError:
         pass
-    return version
+    return value
 
 
 def _code_of(source: bytes) -> bytes:

@@ -82,3 +82,12 @@ def upstream(name: str) -> tuple[Stage, ...]:
     """The stages whose tables `name` reads (a stage waits for these and no other): residuals,
     geometry and the output perturbation each read the activations and the local fits only."""
     return tuple(BY_NAME[s] for s in BY_NAME[name].reads)
+
+
+def with_readers(stale: set[str]) -> list[str]:
+    """The stale stages and every stage that reads their tables, directly or not, in the stages' order."""
+    out = set(stale)
+    for stage in STAGES:
+        if out & set(stage.reads):
+            out.add(stage.name)
+    return [s.name for s in STAGES if s.name in out]

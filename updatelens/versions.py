@@ -22,10 +22,10 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
-import os
+import json
 from pathlib import Path
 
-from updatelens import __version__, _code_of, _mapped_dir
+from updatelens import __version__, _code_of, _mapped_dir, _memoized
 from updatelens.stages import STAGES, Stage
 
 ENGINE = Path(__file__).parent
@@ -112,33 +112,8 @@ def stage_versions() -> dict[str, str]:
     raw = hashlib.sha1(__version__.encode())
     for path in sorted([*ENGINE.rglob("*.py"), *assets.glob("*.py")]):
         raw.update(path.as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    memo = Path(os.environ.get("UPDATELENS_CACHE", Path.home() / ".cache" / "updatelens")) / "stage_versions"
-    try:
-        lines = (memo / raw.hexdigest()).read_text().split()
-        found = dict(line.split("=", 1) for line in lines)
-        if set(found) == {s.name for s in STAGES}:
-            return found
-    except (OSError, ValueError):
-        pass
-    versions = compute_versions(ENGINE, assets)
-    try:
-        memo.mkdir(parents=True, exist_ok=True)
-        partial = memo / f"{raw.hexdigest()}.{os.getpid()}.tmp"
-        partial.write_text("".join(f"{k}={v}\n" for k, v in versions.items()))
-        os.replace(partial, memo / raw.hexdigest())
-    except OSError:  # a read-only home: computed again next time
-        pass
-    return versions
+    return json.loads(_memoized("stage_versions.json", raw.hexdigest(), lambda: json.dumps(compute_versions(ENGINE, assets))))
 
 
 def stage_version(name: str) -> str:
     return stage_versions()[name]
-
-
-def with_readers(stale: set[str]) -> list[str]:
-    """The stale stages and every stage that reads their tables, directly or not, in the stages' order."""
-    out = set(stale)
-    for stage in STAGES:
-        if out & set(stage.reads):
-            out.add(stage.name)
-    return [s.name for s in STAGES if s.name in out]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from updatelens import _mapped_dir
-from updatelens.stages import BY_NAME, STAGE_NAMES
+from updatelens.stages import BY_NAME, STAGE_NAMES, with_readers
 from updatelens.versions import (
     ENGINE,
     compute_versions,
@@ -19,7 +19,6 @@ from updatelens.versions import (
     imported_modules,
     stage_sources,
     stage_versions,
-    with_readers,
 )
 
 ALL_READERS_OF_FITS = ["local_fits", "residuals", "geometry", "controls", "functional_metrics"]
