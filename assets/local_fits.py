@@ -27,7 +27,7 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> F
             prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg, "local_fits")
             source = store.partition("activations", model, layer)
             n_kept = int(source.read(["kept"])["kept"].to_numpy(zero_copy_only=False).sum())
-            data = transition_from_parts(source.parts(["layer", "seq", "pos", "kept", "x", "y"]), n_kept)
+            data = transition_from_parts(source.parts(["layer", "seq", "pos", "doc", "kept", "x", "y"]), n_kept)
             neighbours = layer_neighbours(data, cfg)
             context.log.info(f"{model} layer {layer}: neighbours of {n_kept} tokens found ({cfg.index} index)")
             degenerate = 0

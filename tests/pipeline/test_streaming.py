@@ -1,7 +1,9 @@
 """The stages stream blocks of sequences through storage; the sweep and the notebook analyse a layer
 in memory (`analysis.analyse_model`). With blocks small enough that every stage streams several
 (2 sequences of 6 per block, in the fits, residuals, geometry and the output perturbation), every
-stored table equals the in-memory one, row for row, up to float rounding."""
+stored table equals the in-memory one, row for row, up to float rounding. Three windows per
+document: the document exclusion of the neighbours differs from the sequence exclusion, so a stage
+that loses the documents is caught."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ LAYERS = [1, 2]  # a middle block and the last one
 SEQ_LEN = 16
 # batches of 2 sequences everywhere: the in-memory passes group the sequences as the streamed blocks do, so
 # their float32 products round alike (batches of another size move a KL of 1e-4 by up to 2e-7)
-SETTINGS = dict(n_seq=6, seq_len=SEQ_LEN, k=8, rank=2, kl_block=2, capture_batch=2, patch_batch=2)
+SETTINGS = dict(n_seq=6, seq_len=SEQ_LEN, k=8, rank=2, kl_block=2, capture_batch=2, patch_batch=2, windows_per_doc=3)
 # the columns that identify a row (the others are measured)
 KEYS = ("layer", "fn_class", "variant", "patch_mode", "which", "idx", "replicate", "seq", "pos")
 
