@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
+import numpy as np
 import polars as pl
 import pyarrow as pa
 
@@ -20,7 +21,8 @@ from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
 from updatelens.stages import BY_NAME, STAGE_OF_TABLE, upstream
-from updatelens.steps.layer import LayerData, layer_data
+from updatelens.steps.geometry import BlockReader
+from updatelens.steps.layer import LayerData, Transition, layer_data, transition_from_parts
 from updatelens.steps.local_fits import fits_from_table
 from updatelens.storage.integrity import partition_error
 from updatelens.storage.layout import read_file, read_schema
@@ -62,10 +64,43 @@ def seq_blocks(cfg: AnalysisConfig, rows: int | None = None) -> list[tuple[int, 
     return [(lo, min(cfg.n_seq, lo + per_block)) for lo in range(0, cfg.n_seq, per_block)]
 
 
-def read_block(store: Store, model: str, layer: int, lo: int, hi: int) -> tuple[LayerData, dict[str, LayerFit]]:
-    """Sequences lo..hi-1 of a layer: the transition's arrays and the fitted T(x) per class."""
+def read_block(store: Store, model: str, layer: int, lo: int, hi: int,
+               fits: Store | None = None) -> tuple[LayerData, dict[str, LayerFit]]:
+    """Sequences lo..hi-1 of a layer: the transition's arrays and the fitted T(x) per class (read
+    from `fits`, a sweep configuration's tables, where given)."""
     data = layer_data(store.partition("activations", model, layer).seqs(lo, hi))
-    return data, fits_from_table(store.partition("local_fits", model, layer).seqs(lo, hi), data)
+    return data, fits_from_table((fits or store).partition("local_fits", model, layer).seqs(lo, hi), data)
+
+
+def block_reader(store: Store, model: str, layer: int, fits: Store | None = None) -> BlockReader:
+    """(lo, hi) -> `read_block` of the layer's sequences lo..hi-1."""
+    return lambda lo, hi: read_block(store, model, layer, lo, hi, fits)
+
+
+def stored_activations(store: Store, model: str) -> Callable[[int, int, int], LayerData]:
+    """(layer, lo, hi) -> sequences lo..hi-1 of the layer's stored activations."""
+    return lambda layer, lo, hi: layer_data(store.partition("activations", model, layer).seqs(lo, hi))
+
+
+def stored_fits(store: Store, model: str, layer: int) -> Callable[[LayerData, int, int], dict[str, LayerFit]]:
+    """(data, lo, hi) -> the layer's stored fits of sequences lo..hi-1, aligned with `data`."""
+    return lambda data, lo, hi: fits_from_table(store.partition("local_fits", model, layer).seqs(lo, hi), data)
+
+
+def read_transition(store: Store, model: str, layer: int) -> Transition:
+    """A layer's kept tokens (x, y, seq, pos, doc) from its activations, one row group at a time."""
+    source = store.partition("activations", model, layer)
+    n_kept = int(source.read(["kept"])["kept"].to_numpy(zero_copy_only=False).sum())
+    return transition_from_parts(source.parts(["layer", "seq", "pos", "doc", "kept", "x", "y"]), n_kept)
+
+
+def sample_index(store: Store, model: str, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sample's token ids and kept positions [n_seq, T], from a layer's activations."""
+    index = store.partition("activations", model, layer).read(["seq", "pos", "token_id", "kept"])
+    index = index.sort_by([("seq", "ascending"), ("pos", "ascending")])
+    n_seq = int(index["seq"].to_numpy().max()) + 1
+    return (index["token_id"].to_numpy().reshape(n_seq, -1),
+            index["kept"].to_numpy(zero_copy_only=False).reshape(n_seq, -1))
 
 
 @dataclass

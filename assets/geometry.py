@@ -10,9 +10,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from updatelens.assets import checks
-from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
+from updatelens.assets.common import (
+    Finished,
+    Written,
+    block_reader,
+    check_upstream,
+    each_model,
+    finish,
+    seq_blocks,
+    stage_asset,
+)
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.steps.geometry import LayerGeometry
+from updatelens.steps.geometry import stream_geometry
 from updatelens.steps.layer import sample_docs
 from updatelens.storage.store import Store
 from updatelens.tables import Provenance, to_matrix
@@ -28,20 +37,10 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
         for layer in layers:
             prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg, "geometry")
             check_upstream(store, "local_fits", model, layer, cfg)  # what it reads: lineage and config
-            blocks = seq_blocks(cfg)
             docs = sample_docs(store.partition("activations", model, layer).read(["seq", "doc"]))
-            geo = None
-            for lo, hi in blocks:
-                data, fits = read_block(store, model, layer, lo, hi)
-                geo = geo or LayerGeometry(cfg, list(fits), data.x_full.shape[-1], docs)
-                geo.accumulate(data, fits)
-            assert geo is not None
-            geo.finish()
             target = store.partition("geometry", model, layer)
             with target.writer() as sink:
-                for lo, hi in blocks:
-                    data, fits = read_block(store, model, layer, lo, hi)
-                    sink.write(geo.token_table(data, fits, prov))
+                geo = stream_geometry(block_reader(store, model, layer), seq_blocks(cfg), cfg, docs, prov, sink.write)
             written.record(target, sink.rows)
             stored_spec = written.add(store.partition("spectra", model, layer), geo.spectra_table(prov, layer))
             written.add(store.partition("geometry_bootstrap", model, layer), geo.bootstrap_table(prov, layer))

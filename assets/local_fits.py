@@ -4,14 +4,11 @@ Memory: the layer's kept states (float32), the neighbour index and one class's T
 the partition is written class by class in row groups."""
 
 import dagster as dg
-import numpy as np
 
 from updatelens.assets import checks
-from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
+from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, read_transition, stage_asset
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.fits import fit_layer
-from updatelens.steps.layer import transition_from_parts
-from updatelens.steps.local_fits import fit_row_parts, layer_neighbours
+from updatelens.steps.local_fits import layer_neighbours, stream_fits
 from updatelens.tables import Provenance
 
 
@@ -25,20 +22,13 @@ def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> F
     for model, layers in each_model(context, store):
         for layer in layers:
             prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg, "local_fits")
-            source = store.partition("activations", model, layer)
-            n_kept = int(source.read(["kept"])["kept"].to_numpy(zero_copy_only=False).sum())
-            data = transition_from_parts(source.parts(["layer", "seq", "pos", "doc", "kept", "x", "y"]), n_kept)
+            data = read_transition(store, model, layer)
+            n_kept = len(data.x)
             neighbours = layer_neighbours(data, cfg)
             context.log.info(f"{model} layer {layer}: neighbours of {n_kept} tokens found ({cfg.index} index)")
-            degenerate = 0
             target = store.partition("local_fits", model, layer)
             with target.writer() as sink:
-                for fn_class in cfg.classes:
-                    fit = fit_layer(fn_class, data.x, data.y, data.seq, neighbours, cfg, label=f"{model} layer {layer}: ")
-                    for part in fit_row_parts(data, fit, neighbours, prov, layer):
-                        sink.write(part)
-                    degenerate += int(np.sum(fit.degenerate))
-                    del fit
+                degenerate = stream_fits(data, neighbours, cfg, prov, layer, sink.write, label=f"{model} layer {layer}: ")
             written.record(target, sink.rows)
             written.note(model, layer, degenerate_fits=degenerate)
             verdicts[f"{model}:{layer:02d}"] = checks.check_fits(target.parts(["fn_class", "seq", "pos", "degenerate", "tx"]),

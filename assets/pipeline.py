@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-from updatelens.assets.reports import comparison_report, convention_sweep, report
+from updatelens.assets.reports import comparison_report, report
+from updatelens.assets.sweep import convention_sweep
 from updatelens.stages import STAGES
 
 # per (model, layer), in the pipeline's order

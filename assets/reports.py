@@ -1,12 +1,10 @@
-"""Per-model reports, the comparison across models, and convention sweeps (partitioned by model).
+"""Per-model reports and the comparison across models (partitioned by model).
 
-Thin wiring over `reports.build` and `updatelens.sweep`: the report reads stored tables only; the
-sweep loads the model once and stores each configuration's analysis tables side by side under
-its config id (`<data root>/sweeps/config=<id>/...`), which the `sensitivity` view compares.
+Thin wiring over `reports.build`: the report reads stored tables only, the convention sweep's
+(`assets/sweep.py`) among them.
 """
 
 import base64
-import json
 from typing import Any
 
 import dagster as dg
@@ -19,7 +17,6 @@ from updatelens.assets.functional_metrics import functional_metrics
 from updatelens.assets.geometry import geometry
 from updatelens.assets.partitions import MODELS
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.findings import FINDINGS
 from updatelens.reports.build import (
     COMPARISON_FIGURES,
@@ -27,19 +24,6 @@ from updatelens.reports.build import (
     Report,
     build_comparison,
     build_model_report,
-)
-from updatelens.stages import SWEEP_TABLES
-from updatelens.storage.layout import clear_sweeps, sweep_root, write_sweep_run
-from updatelens.storage.location import url
-from updatelens.storage.store import Store
-from updatelens.sweep import (
-    DEFAULT_GRID,
-    parse_grid,
-    run_record,
-    spread_layers,
-    sweep,
-    sweep_baseline,
-    sweep_runs,
 )
 
 REPORT_CHECK = dg.AssetCheckSpec("report_complete", asset="report",
@@ -117,59 +101,3 @@ def comparison_report(context: dg.AssetExecutionContext, lens: UpdateLensResourc
     metadata = _report_metadata(built, COMPARISON_FIGURES)
     metadata["models"] = built.findings["model"].n_unique()
     return dg.MaterializeResult(metadata=metadata)
-
-
-class SweepConfig(dg.Config):
-    """Which conventions to vary (one at a time around the lens's configuration) and where."""
-
-    grid: str = json.dumps(DEFAULT_GRID)  # {"setting": [values, ...]}: any AnalysisConfig field
-    layers: list[int] = []  # empty: `n_layers` layers spread from the first to the last
-    n_layers: int = 8
-    with_controls: bool = False  # the random/crude controls cost two patched forwards per layer
-
-
-@dg.asset(
-    partitions_def=MODELS,
-    group_name="reports",
-    kinds={"pytorch", "parquet"},
-    code_version=CODE_VERSION,
-    pool=MODEL_POOL,
-    op_tags=step_tags(needs_model=True),  # it loads the model: the GPU queue and pod resources
-    description="Convention sweep: the model's sample analysed under a grid of configurations (neighbour "
-                "exclusion, k, rank, class by default), each stored under its config id in "
-                "`<data root>/sweeps/config=<id>/`; SQL views `sweep_findings` and `sensitivity`. A rerun "
-                "replaces the model's sweep whole.",
-)
-def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource, config: SweepConfig) -> dg.MaterializeResult:
-    model = context.partition_key
-    lm = lens.load(model)
-    base = sweep_baseline(lens.config(), config.with_controls)
-    runs = sweep_runs(base, parse_grid(config.grid), d_model=lm.d_model, max_positions=lm.max_positions)
-    layers = config.layers or spread_layers(lm.n_layers, config.n_layers)
-    bad = [layer for layer in layers if not 0 <= layer < lm.n_layers]
-    if bad:
-        raise ValueError(f"{model} has {lm.n_layers} layers; no layer {bad}")
-    store = lens.store
-
-    def write(run, layer: int, tables: dict) -> None:
-        family = Store.open(sweep_root(store.root, run.config.config_id))
-        for table in SWEEP_TABLES:
-            family.partition(table, model, layer).write(tables[table])
-
-    with store.lock(model):
-        clear_sweeps(store.root, model)
-        sweep(lm, lens.sample(lm), runs, layers, write, log=context.log.info)
-        for run in runs:
-            write_sweep_run(store.root, model, run.config.config_id, run_record(model, run, base, layers))
-    store.refresh()
-    sensitivity = store.query("SELECT finding, convention, setting, round(value, 3) AS value, verdict, "
-                              "round(delta_ci_lo, 3) AS delta_lo, round(delta_ci_hi, 3) AS delta_hi, flips "
-                              "FROM sensitivity WHERE model = $1", [model])
-    return dg.MaterializeResult(metadata={
-        "configs": len(runs),
-        "layers": ", ".join(map(str, layers)),
-        "config_ids": ", ".join(f"{r.convention}={r.setting}: {r.config.config_id}" for r in runs),
-        "sweeps_path": dg.MetadataValue.path(url(store.root / "sweeps")),
-        "verdicts_flipped": int(sensitivity["flips"].sum()),
-        "sensitivity": dg.MetadataValue.md(_md_table(sensitivity)),
-    })

@@ -22,6 +22,7 @@ from updatelens.orchestration.commands import (
     cmd_verify,
     cmd_worker,
 )
+from updatelens.sweep import SWEEP_LAYERS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     swp.add_argument("--grid", help='JSON {setting: [values]}, one at a time around the baseline '
                                     '(default: exclusion self/none, k 32/128, rank 4/16, class psd_diagonal+orthogonal)')
     swp.add_argument("--layers", help="comma-separated layers (default: --n-layers spread over the depth)")
-    swp.add_argument("--n-layers", dest="n_layers", type=int, help="how many layers when --layers is not given (8)")
+    swp.add_argument("--n-layers", dest="n_layers", type=int, help=f"how many layers when --layers is not given ({SWEEP_LAYERS})")
     swp.add_argument("--with-controls", action="store_true", help="also run the random/crude controls per config")
     swp.add_argument("--set", action="append", metavar="KEY=VALUE", help="baseline AnalysisConfig fields")
     swp.add_argument("--data-root")

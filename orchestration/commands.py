@@ -303,10 +303,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from updatelens.orchestration.runner import (
         check_inputs,
         failure_message,
+        materialize_model,
         materialize_sweep,
         project_dagster_home,
+        stale_layers,
     )
-    from updatelens.sweep import DEFAULT_GRID, parse_grid, sweep_baseline, sweep_runs
+    from updatelens.sweep import DEFAULT_GRID, SWEEP_LAYERS, parse_grid, spread_layers, sweep_baseline, sweep_runs
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sweep_config: dict[str, object] = {"grid": args.grid or json.dumps(DEFAULT_GRID)}
@@ -319,7 +321,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         lens = _lens_from(args)
         runs = sweep_runs(sweep_baseline(lens.config(), args.with_controls), parse_grid(str(sweep_config["grid"])))
-        check_inputs(args.model, lens, _parse_layers(args.layers))
+        report = check_inputs(args.model, lens, _parse_layers(args.layers))
+        layers = _parse_layers(args.layers) or spread_layers(report.n_layers, args.n_layers or SWEEP_LAYERS)
+        # the sweep analyses the stored sample: capture the swept layers that have no current activations
+        uncaptured = sorted(layer for layer, stages in stale_layers(lens, args.model, layers).items()
+                            if "activations" in stages)
     except (UpdateLensError, ValueError, OSError) as exc:
         print(f"updatelens sweep: {exc}", file=sys.stderr)
         return 2
@@ -328,6 +334,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
           + ", ".join(f"{r.convention}={r.setting} ({r.config.config_id})" for r in runs), flush=True)
     start = time.perf_counter()
     with dg.DagsterInstance.get() as instance:
+        if uncaptured:
+            span = list(range(uncaptured[0], uncaptured[-1] + 1))
+            print(f"updatelens sweep: capturing the activations of layers {span[0]}-{span[-1]} first "
+                  f"(the sweep analyses the stored sample)", flush=True)
+            captured = materialize_model(args.model, lens, instance, layers=span, stages=["activations"],
+                                         log_level="WARNING", raise_on_error=False, report=report)
+            if not captured.success:
+                print(f"updatelens sweep: the capture failed: {failure_message(captured)}", file=sys.stderr)
+                return 1
         result = materialize_sweep(args.model, lens, instance, sweep_config, raise_on_error=False)
         if not result.success:
             print(f"updatelens sweep: the sweep failed: {failure_message(result)}", file=sys.stderr)

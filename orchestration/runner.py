@@ -19,8 +19,9 @@ from updatelens.assets.partitions import (
     range_tags,
 )
 from updatelens.assets.pipeline import ASSETS
-from updatelens.assets.reports import comparison_report, convention_sweep, report
+from updatelens.assets.reports import comparison_report, report
 from updatelens.assets.resources import UpdateLensResource
+from updatelens.assets.sweep import convention_sweep
 from updatelens.errors import ConfigError
 from updatelens.orchestration.registry_watch import stale_plan
 from updatelens.preflight import Preflight, preflight

@@ -1,4 +1,4 @@
-"""One layer, or a model, through every stage in memory: the notebook, the sweep and the tests.
+"""One layer, or a model, through every stage in memory: the notebook and the tests.
 
 The stages' computations live in `updatelens.steps` (one module per stage); the Dagster assets stream
 blocks of sequences through the same functions and storage. This module only composes them.

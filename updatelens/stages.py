@@ -68,8 +68,9 @@ STAGE_OF_TABLE: dict[str, str] = {t: s.name for s in STAGES for t in s.tables}
 # Every table the pipeline writes per (model, layer), in the stages' order.
 TABLES: tuple[str, ...] = tuple(t for s in STAGES for t in s.tables)
 # What a convention sweep stores per (configuration, model, layer): what the findings read, with
-# their resamples (so that a setting's finding has an interval, paired with the baseline's).
-SWEEP_TABLES: tuple[str, ...] = ("geometry", "spectra", "geometry_bootstrap", "functional_metrics",
+# their resamples (so that a setting's finding has an interval, paired with the baseline's), and the
+# fits they are measured on (the patched passes read them back block by block).
+SWEEP_TABLES: tuple[str, ...] = ("local_fits", "geometry", "spectra", "geometry_bootstrap", "functional_metrics",
                                  "functional_summary", "functional_bootstrap")
 # Tables written per (model, layer) by a study outside the pipeline's stages (updatelens.calibration):
 # verified and served like the stages' tables, never part of a layer's completeness.

@@ -2,29 +2,20 @@
 
 Every convention the paper leaves open (docs/method.md) is a configuration value; a sweep varies one value
 at a time around a baseline (one-at-a-time, not the full cross product, so the cost grows with
-the number of settings, not their product) and yields each configuration's analysis tables per
-layer. The model is loaded and the sample captured once for the whole grid, and each layer's
-transition is read once for every configuration.
+the number of settings, not their product). This module declares the grid and its configurations;
+the `convention_sweep` asset runs them through the stages' engine runners on the stored sample.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
 
-from updatelens.analysis import analyse_layer
-from updatelens.capture import capture
 from updatelens.config import AnalysisConfig
-from updatelens.corpus import Sample
 from updatelens.errors import ConfigError
-from updatelens.models import LoadedModel
-from updatelens.perturbation import original_output
-from updatelens.stages import SWEEP_TABLES
-from updatelens.steps.activations import activations_table, provenance
-from updatelens.steps.layer import layer_data
 
 # Around the default: neighbour exclusion, k, rank and the function class. The alignment form, the
 # angle reference and the error measure need no extra run: every run measures them both ways.
@@ -35,6 +26,8 @@ DEFAULT_GRID: dict[str, list[object]] = {
     "rank": [4, 16],
     "classes": [["psd_diagonal", "orthogonal"]],
 }
+# How many layers, spread over the depth, a sweep measures when its layers are not named.
+SWEEP_LAYERS = 8
 # Keys that change the sample itself: a sweep compares conventions on one sample.
 SAMPLE_KEYS = ("n_seq", "seq_len", "corpus_offset", "skip_first_position")
 # Names the `sensitivity` view shows for a swept key.
@@ -119,17 +112,3 @@ def run_record(model: str, run: SweepRun, base: AnalysisConfig, layers: Iterable
         "config_json": [run.config.to_json()],
     })
 
-
-def sweep(lm: LoadedModel, sample: Sample, runs: Sequence[SweepRun], layers: Sequence[int],
-          write: Callable[[SweepRun, int, dict[str, pa.Table]], None],
-          log: Callable[[str], None] = lambda _msg: None) -> None:
-    """Analyse every layer under every configuration; `write(run, layer, tables)` stores each result."""
-    base = runs[0].config
-    cap = capture(lm, sample.input_ids, sample.attention_mask, base.capture_batch)
-    orig = original_output(lm, sample.input_ids, base.patch_batch)
-    for layer in layers:
-        data = layer_data(activations_table(cap, layer, base, provenance(lm, sample, base), sample.doc_index))
-        for run in runs:
-            write(run, layer, analyse_layer(lm, data, orig, run.config, provenance(lm, sample, run.config),
-                                            cap.block_returns_tuple, SWEEP_TABLES))
-        log(f"{lm.slug} layer {layer}: {len(runs)} configurations analysed")

@@ -20,6 +20,8 @@ from updatelens.assets.partitions import model_keys
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
 from updatelens.fits.base import LocalFit
 from updatelens.orchestration.definitions import ASSETS
+from updatelens.steps import functional_metrics as step_functional
+from updatelens.steps import local_fits as step_fits
 from updatelens.storage.layout import partition_file
 from updatelens.tables import to_matrix, vector_column
 
@@ -145,13 +147,13 @@ def test_fits_out_of_line_with_their_neighbours_fail_the_refit_audit(
         zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """T(x) stored one row off (each row holds its neighbour row's fit): finite, the right length and
     count, so only re-fitting anchors from their stored neighbours shows it."""
-    original = assets.local_fits.fit_row_parts
+    original = step_fits.fit_row_parts
 
     def shifted(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
         for part in original(*args, **kwargs):
             yield with_vectors(part, "tx", lambda v: np.roll(v, 1, axis=0))
 
-    monkeypatch.setattr(assets.local_fits, "fit_row_parts", shifted)
+    monkeypatch.setattr(step_fits, "fit_row_parts", shifted)
     result, instance = run(zoo, tmp_path)
     assert evaluations(result)["fits_valid"].passed
     assert_blocked(result, instance, "fits_refit_audit", "re-fitted anchors differ from the stored T(x)",
@@ -201,14 +203,14 @@ def test_degenerate_fits_fail_the_fits_check_and_block_the_residuals(
         zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every fourth stored fit flagged degenerate (what ill-conditioned neighbourhoods give): above the
     5 % bound, fits_valid fails and names the share; the stages that read the fits do not run."""
-    original = assets.local_fits.fit_row_parts
+    original = step_fits.fit_row_parts
 
     def flagged(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
         for part in original(*args, **kwargs):
             column = part.schema.get_field_index("degenerate")
             yield part.set_column(column, part.schema.field(column), pa.array(np.arange(len(part)) % 4 == 0))
 
-    monkeypatch.setattr(assets.local_fits, "fit_row_parts", flagged)
+    monkeypatch.setattr(step_fits, "fit_row_parts", flagged)
     result, instance = run(zoo, tmp_path)
     assert_blocked(result, instance, "fits_valid", "of fits are degenerate (bound 5%)", "residuals", tmp_path)
     measured = evaluations(result)["fits_valid"].metadata["measured"].value
@@ -345,7 +347,7 @@ def test_unnormalised_distributions_fail_the_functional_check_before_the_clamp(
         zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Original log-probabilities off by a constant (p no longer sums to 1): the KL goes negative
     before its clamp at 0, which the stored (clamped) column alone could not show."""
-    corrupt(monkeypatch, assets.functional_metrics, "original_output",
+    corrupt(monkeypatch, step_functional, "original_output",
             lambda orig: dataclasses.replace(orig, logp=orig.logp - 0.05))
     result, _ = run(zoo, tmp_path)
     evaluation = evaluations(result)["functional_valid"]

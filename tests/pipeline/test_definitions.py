@@ -20,7 +20,7 @@ LINEAGE = {
 
 # per model (its slug), reading every (model, layer) partition upstream
 PER_MODEL = {
-    "convention_sweep": (set(), "models"),
+    "convention_sweep": ({"activations"}, "models"),  # the stored sample it analyses
     "report": ({"geometry", "functional_metrics", "controls", "convention_sweep"}, "models"),
     "comparison_report": ({"report"}, None),
 }

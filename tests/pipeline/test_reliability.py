@@ -342,3 +342,20 @@ def test_converge_uses_the_study_presets_settings_so_its_largest_size_is_the_stu
     code = main(["converge", "--registry", deep_lens.registry, "--data-root", deep_lens.data_root,
                  "--model", "deep-llama", "--tokens", "64"])
     assert code == 2 and "multiple of seq_len=128" in capsys.readouterr().err
+
+
+def test_a_sweep_on_a_fresh_root_captures_the_sample_first_and_only_once(zoo: Path, env: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """The sweep analyses the stored activations: `updatelens sweep` captures the swept layers that have
+    none, then sweeps; a second sweep reads the same capture."""
+    args = ["sweep", "--registry", str(zoo), "--data-root", str(env / "data"), "--model", "tiny-gpt2", "--layers", "0,1",
+            "--grid", '{"k": [4]}', "--set", "n_seq=6", "--set", "seq_len=16", "--set", "k=8", "--set", "rank=2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "capturing the activations of layers 0-1 first" in out
+    root = env / "data"
+    assert set(catalog.query(root, "SELECT DISTINCT layer FROM sweep_geometry")["layer"]) == {0, 1}
+    assert len(catalog.query(root, "SELECT DISTINCT config_id FROM sweep_functional_summary")) == 2
+    assert not (root / "local_fits").exists()  # the run's own stages are not materialized by a sweep
+    assert main(args) == 0
+    assert "capturing" not in capsys.readouterr().out

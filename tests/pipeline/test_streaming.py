@@ -1,9 +1,9 @@
-"""The stages stream blocks of sequences through storage; the sweep and the notebook analyse a layer
-in memory (`analysis.analyse_model`). With blocks small enough that every stage streams several
-(2 sequences of 6 per block, in the fits, residuals, geometry and the output perturbation), every
-stored table equals the in-memory one, row for row, up to float rounding. Three windows per
-document: the document exclusion of the neighbours differs from the sequence exclusion, so a stage
-that loses the documents is caught."""
+"""The stages and the convention sweep stream blocks of sequences through storage; the notebook
+analyses a layer in memory (`analysis.analyse_model`). With blocks small enough that every stage
+streams several (2 sequences of 6 per block, in the fits, residuals, geometry and the output
+perturbation), every stored table, the run's and each swept configuration's, equals the in-memory
+one, row for row, up to float rounding. Three windows per document: the document exclusion of the
+neighbours differs from the sequence exclusion, so a stage that loses the documents is caught."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ import pytest
 from updatelens.analysis import analyse_model
 from updatelens.assets import common
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
-from updatelens.orchestration.runner import materialize_model
-from updatelens.stages import TABLES
+from updatelens.orchestration.runner import materialize_model, materialize_sweep
+from updatelens.stages import SWEEP_TABLES, TABLES
+from updatelens.storage.layout import sweep_root
+from updatelens.storage.store import Store
 
 MODEL = "tiny-llama"
 LAYERS = [1, 2]  # a middle block and the last one
@@ -78,3 +80,27 @@ def test_streamed_tables_equal_the_in_memory_analysis(zoo: Path, tmp_path: Path,
             _assert_equal(stored, result.tables[name], f"{name} layer {result.layer}", name)
             compared += 1
     assert compared == len(TABLES) * len(LAYERS)
+
+
+def test_the_sweep_streams_and_equals_the_in_memory_analysis(zoo: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common, "BLOCK_ROWS", 2 * SEQ_LEN)
+    lens = UpdateLensResource(data_root=str(tmp_path), registry=str(zoo), analysis=AnalysisSettings(**SETTINGS))
+    instance = dg.DagsterInstance.ephemeral()
+    # the sweep reads the stored sample: only the activations are materialized
+    assert materialize_model(MODEL, lens, instance, layers=LAYERS, stages=["activations"], log_level="WARNING").success
+    assert not lens.store.has_model("local_fits", MODEL)
+    grid = '{"k": [4], "exclusion": ["sequence"], "patch_mode": ["all"]}'
+    assert materialize_sweep(MODEL, lens, instance, {"grid": grid, "layers": LAYERS}).success
+
+    lm = lens.load(MODEL)
+    base = lens.config().replace(controls=())
+    compared = 0
+    for cfg in (base, base.replace(k=4), base.replace(exclusion="sequence"), base.replace(patch_mode="all")):
+        family = Store.open(sweep_root(lens.root, cfg.config_id))
+        for result in analyse_model(lm, lens.sample(lm), cfg, layers=LAYERS):
+            for name in SWEEP_TABLES:
+                stored = family.partition(name, MODEL, result.layer).read()
+                _assert_equal(stored, result.tables[name], f"{cfg.config_id} {name} layer {result.layer}", name)
+                compared += 1
+    assert compared == 4 * len(SWEEP_TABLES) * len(LAYERS)

@@ -66,6 +66,6 @@ def token_rows(tokenizer: object, input_ids: np.ndarray, layer: int, prov: Prove
 
 
 def activations_table(cap: Captured, layer: int, cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray) -> pa.Table:
-    """Transition l of a whole in-memory capture (notebooks, sweeps); `docs`: the sample's doc_index."""
+    """Transition l of a whole in-memory capture (notebooks, tests); `docs`: the sample's doc_index."""
     return activation_rows(cap.states, cap.input_ids, cap.attention_mask, layer, cfg, prov, docs,
                            self_only=cap.self_only.get(layer))

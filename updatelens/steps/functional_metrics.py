@@ -3,6 +3,9 @@ and after it), with the random, crude and identity controls, and their resamples
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -23,10 +26,13 @@ from updatelens.perturbation import (
     OriginalOutput,
     Variant,
     later_position_kl,
+    original_output,
     patched_kl,
     single_position_kl,
     spearman,
+    vocab_size,
 )
+from updatelens.progress import progress
 from updatelens.single_position import all_single_position_kl, resolve_patch_mode
 from updatelens.steps.layer import LayerData, random_directions, resample_counts
 from updatelens.tables import Provenance, with_provenance
@@ -148,6 +154,50 @@ def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit],
     return out
 
 
+@dataclass(frozen=True)
+class Measure:
+    """One (layer, configuration) the functional stream measures, and where its fits of a block of
+    sequences come from: `fits(data, lo, hi)` for the layer's sequences lo..hi-1."""
+
+    layer: int
+    cfg: AnalysisConfig
+    fits: Callable[[LayerData, int, int], dict[str, LayerFit]]
+
+
+def stream_functional(lm: LoadedModel, input_ids: np.ndarray, kept: np.ndarray, measures: Sequence[Measure],
+                      read: Callable[[int, int, int], LayerData], block: AnalysisConfig, returns_tuple: bool,
+                      label: str, first_block: Callable[[int, LayerData], None] | None = None) -> list[FunctionalRows]:
+    """The rows of every measure over blocks of whole sequences (`block`'s kl_block_size and
+    patch_batch): each block's unpatched distributions are computed once, resumed after the lowest
+    layer from its captured output (`read(layer, lo, hi)`), and serve every layer and configuration,
+    then are dropped; memory holds one block's distributions and states whatever the sample size.
+    `kept` [n_seq, T]: the sample's kept positions (the single-position draws); `first_block(layer,
+    data)` is called on each layer's first block (the identity check)."""
+    layers = sorted({m.layer for m in measures})
+    positions = [single_positions(kept, m.cfg.single_positions, m.cfg.seed) if m.cfg.patch_mode == "single" else None
+                 for m in measures]
+    rows: list[FunctionalRows] = [[] for _ in measures]
+    n_seq = len(input_ids)
+    size = block.kl_block_size(vocab_size(lm))
+    with progress(label, n_seq * len(measures), "seq x layer") as bar:
+        for lo in range(0, n_seq, size):
+            hi = min(n_seq, lo + size)
+            blocks = {layer: read(layer, lo, hi) for layer in layers}
+            orig = original_output(lm, input_ids[lo:hi], block.patch_batch, resume=(layers[0], blocks[layers[0]].y_full),
+                                   returns_tuple=returns_tuple)
+            for layer in layers:
+                data = blocks.pop(layer)
+                for i, measure in enumerate(measures):
+                    if measure.layer == layer:
+                        rows[i] += functional_rows(lm, data, measure.fits(data, lo, hi), orig, measure.cfg,
+                                                   returns_tuple, positions[i])
+                        bar.update(hi - lo)
+                if lo == 0 and first_block is not None:
+                    first_block(layer, data)
+            del orig
+    return rows
+
+
 def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov: Provenance,
                                 layer: int) -> tuple[pa.Table, pa.Table]:
     """Per-token and per-layer tables from the rows of every block (concatenated per variant)."""
@@ -265,7 +315,7 @@ def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenan
 
 def functional_tables(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig: OriginalOutput,
                       cfg: AnalysisConfig, prov: Provenance, returns_tuple: bool = False) -> tuple[pa.Table, pa.Table]:
-    """One whole layer in memory (`orig` covers the whole sample): notebooks, sweeps, tests."""
+    """One whole layer in memory (`orig` covers the whole sample): notebooks, tests."""
     positions = single_positions(data.kept, cfg.single_positions, cfg.seed) if cfg.patch_mode == "single" else None
     rows = functional_rows(lm, data, fits, orig, cfg, returns_tuple, positions)
     return functional_tables_from_rows(rows, cfg, prov, data.layer)

@@ -3,6 +3,8 @@ every resample, in two passes over blocks of whole sequences."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 import pyarrow as pa
 
@@ -146,3 +148,26 @@ def geometry_tables(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisCon
     geo.finish()
     tokens = geo.token_table(data, fits, prov)
     return tokens, geo.spectra_table(prov, data.layer), geo.bootstrap_table(prov, data.layer)
+
+
+# sequences lo..hi-1 of a layer: the transition's arrays and the fitted T(x) per class
+BlockReader = Callable[[int, int], tuple[LayerData, dict[str, LayerFit]]]
+
+
+def stream_geometry(read: BlockReader, blocks: Sequence[tuple[int, int]], cfg: AnalysisConfig, docs: np.ndarray,
+                    prov: Provenance, write: Callable[[pa.Table], None]) -> LayerGeometry:
+    """A layer's geometry over blocks of whole sequences, each read twice: the first pass accumulates the
+    Gram matrices, the second writes the per-token rows block by block (`write`). The spectra and the
+    resamples are the returned LayerGeometry's `spectra_table` and `bootstrap_table`."""
+    geo: LayerGeometry | None = None
+    for lo, hi in blocks:
+        data, fits = read(lo, hi)
+        geo = geo or LayerGeometry(cfg, list(fits), data.x_full.shape[-1], docs)
+        geo.accumulate(data, fits)
+    if geo is None:
+        raise ValueError("no blocks of sequences to measure the geometry on")
+    geo.finish()
+    for lo, hi in blocks:
+        data, fits = read(lo, hi)
+        write(geo.token_table(data, fits, prov))
+    return geo

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -30,6 +30,20 @@ def compute_fits(data: LayerData | Transition, cfg: AnalysisConfig) -> tuple[dic
     neighbours = layer_neighbours(data, cfg)
     fits = {c: fit_layer(c, x, y, seq, neighbours, cfg) for c in cfg.classes}
     return fits, neighbours
+
+
+def stream_fits(data: LayerData | Transition, neighbours: np.ndarray | None, cfg: AnalysisConfig, prov: Provenance,
+                layer: int, write: Callable[[pa.Table], None], label: str = "") -> int:
+    """Every class's fits of a layer, written part by part (`write`) with one class's T(x) in memory at a
+    time; returns how many fits are degenerate."""
+    degenerate = 0
+    for fn_class in cfg.classes:
+        fit = fit_layer(fn_class, data.x, data.y, data.seq, neighbours, cfg, label=label)
+        for part in fit_row_parts(data, fit, neighbours, prov, layer):
+            write(part)
+        degenerate += int(np.sum(fit.degenerate))
+        del fit
+    return degenerate
 
 
 def fit_row_parts(data: LayerData | Transition, fit: LayerFit, neighbours: np.ndarray | None, prov: Provenance,
