@@ -2,7 +2,7 @@
 
 Why not MultiPartitionsDefinition(model x layer)? It is a full cross product: with a 12-layer and
 a 30-layer model, 18 (model, layer) keys could never be materialized. Dynamic keys are added from
-each model's real depth, so every key exists. All five assets share this definition (identity
+each model's real depth, so every key exists. Every stage asset shares this definition (identity
 mapping), each is a single-run backfill, so launching a model's key range runs one process that
 loads the model and captures once for all its layers; a single key reruns one (model, layer).
 """

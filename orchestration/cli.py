@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import sys
 
@@ -22,7 +23,7 @@ from updatelens.orchestration.commands import (
     cmd_verify,
     cmd_worker,
 )
-from updatelens.sweep import SWEEP_LAYERS
+from updatelens.sweep import DEFAULT_GRID, SWEEP_LAYERS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     swp = sub.add_parser("sweep", help="analyse a model under a grid of conventions; prints the sensitivity table")
     swp.add_argument("--model", default="smollm2-135m")
     swp.add_argument("--corpus", default="wiki-embedded")
-    swp.add_argument("--grid", help='JSON {setting: [values]}, one at a time around the baseline '
-                                    '(default: exclusion self/none, k 32/128, rank 4/16, class psd_diagonal+orthogonal)')
+    swp.add_argument("--grid", help="JSON {setting: [values]}, one at a time around the baseline "
+                                    f"(default: {json.dumps(DEFAULT_GRID)})")
     swp.add_argument("--layers", help="comma-separated layers (default: --n-layers spread over the depth)")
     swp.add_argument("--n-layers", dest="n_layers", type=int, help=f"how many layers when --layers is not given ({SWEEP_LAYERS})")
     swp.add_argument("--with-controls", action="store_true", help="also run the random/crude controls per config")

@@ -17,8 +17,9 @@ import pyarrow as pa
 from updatelens.config import AnalysisConfig
 from updatelens.errors import ConfigError
 
-# Around the default: neighbour exclusion, k, rank and the function class. The alignment form, the
-# angle reference and the error measure need no extra run: every run measures them both ways.
+# Around the default: neighbour exclusion, every position patched at once, k, rank and the function
+# class. The alignment form, the angle reference and the error measure need no extra run: every run
+# measures them both ways.
 DEFAULT_GRID: dict[str, list[object]] = {
     "exclusion": ["sequence", "self", "none"],
     "patch_mode": ["all"],  # every position patched at once, beside the exact single-position effects

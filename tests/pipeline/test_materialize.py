@@ -1,4 +1,4 @@
-"""All five assets materialized in-process for tiny GPT-2, Llama and Mamba models."""
+"""The pipeline materialized in-process for tiny GPT-2, Llama and Mamba models."""
 
 from __future__ import annotations
 

@@ -51,3 +51,9 @@ def test_the_defaults_check_sees_a_wrong_default() -> None:
     stated = stated_defaults(text)
     assert [field for field, _ in stated] == ["k", "exclusion", "positive_controls"]
     assert not any(agrees(written, getattr(AnalysisConfig(), field)) for field, written in stated)
+
+
+def test_the_documented_sweep_grid_is_the_codes() -> None:
+    from updatelens.sweep import DEFAULT_GRID
+
+    assert f"`{json.dumps(DEFAULT_GRID)}`" in (REPO / "docs" / "results.md").read_text(encoding="utf-8")
