@@ -850,6 +850,20 @@ def missing_text(root: str | Path, good: dict[str, list[str]]) -> list[Damaged]:
             for model, layer in wanting]
 
 
+def _hive_value(file: str, key: str) -> str:
+    """The value of `key=value` among a file url's directories."""
+    return next(part.split("=", 1)[1] for part in file.split("/") if part.startswith(f"{key}="))
+
+
+def listed_sweeps(files: dict[str, list[str]], runs: list[str]) -> dict[str, list[str]]:
+    """The sweep partitions of the (model, configuration)s a finished sweep lists: `runs` are the
+    sweep_runs records, written after all of a sweep's tables, so a sweep in progress or cut short
+    shows none of its tables."""
+    listed = {(_hive_value(r, "model"), _hive_value(r, "config")) for r in runs}
+    return {table: [f for f in found if (_hive_value(f, "model"), _hive_value(f, "config")) in listed]
+            for table, found in files.items()}
+
+
 def verify_root(root: str | Path, full: bool = False) -> Verified:
     """Every partition file of every family under the root, checked (storage.integrity; `full`: every
     checksum recomputed, as `updatelens verify` does)."""
@@ -875,8 +889,9 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[lis
     if "tokens" in present:
         for table in (t for t in WITH_TEXT if t in present):
             _create_view(con, table, verified.main[table], functools.partial(_text_view, table, hive_types=MAIN_HIVE))
-    swept = _family_views(con, verified.sweeps, SWEEP_TABLES, "sweep_", SWEEP_HIVE, "* EXCLUDE (config)")
     runs = [url(f) for f in sorted(root.glob(sweep_runs_glob()), key=str)] if has_sweep_runs(root) else []
+    sweeps = listed_sweeps(verified.sweeps, runs)
+    swept = _family_views(con, sweeps, SWEEP_TABLES, "sweep_", SWEEP_HIVE, "* EXCLUDE (config)")
     if runs:  # an explicit file list: the read-only engine opens only listed files
         listed = ", ".join(_sql_string(f) for f in runs)
         con.execute(f"CREATE OR REPLACE VIEW sweep_runs AS SELECT * FROM read_parquet([{listed}], union_by_name = true)")
@@ -912,7 +927,7 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[lis
     families = (("", present | made_controls, TABLES + STUDY_TABLES), ("sweep_", swept, SWEEP_TABLES),
                 ("conv_", converged, PLAIN_TABLES))
     _comment(con, {f"{prefix}{t}": t for prefix, made, tables in families for t in tables if t in made})
-    read = [f for family in (verified.main, verified.sweeps, conv_files) for files in family.values() for f in files]
+    read = [f for family in (verified.main, sweeps, conv_files) for files in family.values() for f in files]
     return [*views, "damaged_partitions"], read + runs
 
 

@@ -383,6 +383,27 @@ def test_convention_sweep_is_stored_side_by_side_and_replaced_whole(run) -> None
     assert set(catalog.query(lens.root, "SELECT DISTINCT layer FROM sweep_geometry")["layer"]) == {1}
 
 
+def test_a_sweep_cut_short_shows_none_of_its_tables(run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep stores each configuration's fits and geometry before its patched passes, and lists its
+    configurations last: a sweep that fails between the two leaves its tables out of every sweep view."""
+    import updatelens.assets.sweep as sweep_asset
+    from updatelens.orchestration.runner import materialize_sweep
+
+    def planted(*args, **kwargs):
+        raise RuntimeError("planted: the patched passes fail")
+
+    lens, instance = run
+    monkeypatch.setattr(sweep_asset, "stream_functional", planted)
+    result = materialize_sweep("tiny-gpt2", lens, instance, {"grid": '{"k": [6]}', "layers": [1]}, raise_on_error=False)
+    assert not result.success
+    stored = [p for p in (lens.root / "sweeps").glob("config=*/geometry/model=tiny-gpt2/layer=1")]
+    assert stored  # the fits and geometry of the configurations were written...
+    views = catalog.query(lens.root, "SELECT view_name FROM duckdb_views() WHERE NOT internal")["view_name"].to_list()
+    for view in (v for v in views if v.startswith("sweep_")):  # ...and no sweep view shows them
+        shown = catalog.query(lens.root, f"SELECT count(*) AS n FROM {view} WHERE model = 'tiny-gpt2'")["n"][0]
+        assert shown == 0, view
+
+
 def test_updatelens_report_regenerates_without_recomputing(run, monkeypatch, tmp_path: Path, capsys) -> None:
     from updatelens.orchestration.cli import main
     from updatelens.reports.build import reports_root
