@@ -14,7 +14,6 @@ import json
 import dagster as dg
 import polars as pl
 
-from updatelens import CODE_VERSION
 from updatelens.assets.activations import activations
 from updatelens.assets.common import (
     block_reader,
@@ -55,6 +54,7 @@ from updatelens.sweep import (
     sweep_runs,
 )
 from updatelens.tables import Provenance
+from updatelens.versions import SWEEP_ASSET, stage_version
 
 assert "local_fits" in SWEEP_TABLES  # the functional passes read each configuration's stored fits
 
@@ -69,11 +69,12 @@ class SweepConfig(dg.Config):
 
 
 @dg.asset(
+    name=SWEEP_ASSET,
     partitions_def=MODELS,
     deps=[dg.AssetDep(activations, partition_mapping=dg.AllPartitionMapping())],  # the sample it analyses
     group_name="reports",
     kinds={"pytorch", "parquet"},
-    code_version=CODE_VERSION,
+    code_version=stage_version(SWEEP_ASSET),  # its module's engine closure and the activations' version
     pool=MODEL_POOL,
     op_tags=step_tags(needs_model=True),  # it loads the model: the GPU queue and pod resources
     description="Convention sweep: the model's stored activations analysed under a grid of configurations "

@@ -89,30 +89,43 @@ def stage_sources(stage: Stage, engine: Path = ENGINE, assets: Path | None = Non
     return closure((assets or _mapped_dir("assets")) / f"{stage.name}.py", engine)
 
 
+# The convention sweep (asset `convention_sweep`, module assets/sweep.py) runs the stages' engine code
+# on the stored activations: its version covers its module's closure (which holds that code) and the
+# activations' version.
+SWEEP_ASSET, SWEEP_MODULE, SWEEP_READS = "convention_sweep", "sweep", ("activations",)
+
+
+def _version(sources: list[Path], reads: tuple[str, ...], versions: dict[str, str], engine: Path, assets: Path) -> str:
+    h = hashlib.sha1()
+    for path in sources:
+        relative = path.relative_to(assets.parent if path.is_relative_to(assets) else engine.parent)
+        h.update(relative.as_posix().encode() + b"\0" + computed_code(path.read_bytes()) + b"\0")
+    for read in reads:
+        h.update(f"{read}={versions[read]}".encode())
+    return f"{__version__}+{h.hexdigest()[:8]}"
+
+
 def compute_versions(engine: Path = ENGINE, assets: Path | None = None) -> dict[str, str]:
-    """{stage: version} for the sources under `engine` and `assets` (the tests point them at a copy)."""
+    """{stage: version}, and the convention sweep's, for the sources under `engine` and `assets` (the
+    tests point them at a copy)."""
     assets = assets or _mapped_dir("assets")
     versions: dict[str, str] = {}
     for stage in STAGES:  # in order: a stage's inputs come before it
-        h = hashlib.sha1()
-        for path in stage_sources(stage, engine, assets):
-            relative = path.relative_to(assets.parent if path.is_relative_to(assets) else engine.parent)
-            h.update(relative.as_posix().encode() + b"\0" + computed_code(path.read_bytes()) + b"\0")
-        for read in stage.reads:
-            h.update(f"{read}={versions[read]}".encode())
-        versions[stage.name] = f"{__version__}+{h.hexdigest()[:8]}"
+        versions[stage.name] = _version(stage_sources(stage, engine, assets), stage.reads, versions, engine, assets)
+    versions[SWEEP_ASSET] = _version(closure(assets / f"{SWEEP_MODULE}.py", engine), SWEEP_READS, versions, engine,
+                                     assets)
     return versions
 
 
 @functools.cache
 def stage_versions() -> dict[str, str]:
-    """{stage: version} of this code, kept on disk per exact set of engine and asset sources (parsing
-    them costs a fraction of a second; reading them, milliseconds)."""
+    """{stage: version}, and the convention sweep's, of this code, kept on disk per exact set of engine
+    and asset sources (parsing them costs a fraction of a second; reading them, milliseconds)."""
     assets = _mapped_dir("assets")
     raw = hashlib.sha1(__version__.encode())
     for path in sorted([*ENGINE.rglob("*.py"), *assets.glob("*.py")]):
         raw.update(path.as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return json.loads(_memoized("stage_versions.json", raw.hexdigest(), lambda: json.dumps(compute_versions(ENGINE, assets))))
+    return json.loads(_memoized("versions.json", raw.hexdigest(), lambda: json.dumps(compute_versions(ENGINE, assets))))
 
 
 def stage_version(name: str) -> str:

@@ -114,3 +114,12 @@ def test_the_stage_description_drives_the_assets_and_every_check_belongs_to_a_st
         checks = {k.name for k in node.check_keys}
         assert checks == set(stage.checks), stage.name
     assert {c for s in STAGES for c in s.checks} == set(CHECK_DEFS)
+
+
+def test_each_stage_and_the_sweep_carry_their_own_code_version() -> None:
+    """The UI's code version of an asset is the one its rows record: a stage's version, the sweep's own."""
+    from updatelens.versions import stage_versions
+
+    graph = defs.resolve_asset_graph()
+    for name, version in stage_versions().items():
+        assert graph.get(dg.AssetKey(name)).code_version == version, name

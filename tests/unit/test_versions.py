@@ -14,6 +14,7 @@ from updatelens import _mapped_dir
 from updatelens.stages import BY_NAME, STAGE_NAMES, with_readers
 from updatelens.versions import (
     ENGINE,
+    SWEEP_ASSET,
     compute_versions,
     engine_file,
     imported_modules,
@@ -49,7 +50,7 @@ def differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
 
 def test_the_versions_in_use_are_the_computed_ones(baseline: dict[str, str]) -> None:
     assert stage_versions() == baseline
-    assert len(set(baseline.values())) == len(STAGE_NAMES)  # every stage its own
+    assert len(set(baseline.values())) == len(STAGE_NAMES) + 1  # every stage its own, and the sweep
 
 
 def test_a_docstring_or_a_comment_changes_no_stage(tmp_path: Path, baseline: dict[str, str]) -> None:
@@ -129,3 +130,14 @@ def test_readers_follow_the_stages_declared_reads() -> None:
     assert with_readers({"local_fits"}) == ALL_READERS_OF_FITS
     assert with_readers({"activations"}) == list(STAGE_NAMES)
     assert with_readers(set()) == []
+
+
+def test_the_sweeps_version_follows_its_own_code_and_the_stage_code_it_runs(tmp_path: Path, baseline: dict[str, str]) -> None:
+    """The convention sweep's Dagster code version: its module and the engine code it runs, not wiring or prose."""
+    prose = changed(tmp_path / "prose", {"assets/sweep.py": ('"""', '"""Reworded. '),
+                                         "reports/build.py": ("", "\nREPORT_CHANGED = 1\n")})
+    assert prose == baseline
+    own = changed(tmp_path / "own", {"assets/sweep.py": ("", "\nSWEEP_CHANGED = 1\n")})
+    assert differing(baseline, own) == [] and own[SWEEP_ASSET] != baseline[SWEEP_ASSET]
+    geometry = changed(tmp_path / "geometry", {"updatelens/steps/geometry.py": ("NULL_M = 16", "NULL_M = 17")})
+    assert geometry[SWEEP_ASSET] != baseline[SWEEP_ASSET]
