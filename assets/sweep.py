@@ -13,6 +13,7 @@ import json
 
 import dagster as dg
 import polars as pl
+import pyarrow as pa
 
 from updatelens.assets.activations import activations
 from updatelens.assets.common import (
@@ -116,7 +117,7 @@ def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource
 
 
 def _sweep(context: dg.AssetExecutionContext, lm: LoadedModel, store: Store, model: str, runs: list[SweepRun],
-           layers: list[int], heads: dict) -> None:
+           layers: list[int], heads: dict[int, pa.Table]) -> None:
     """Every configuration on every layer: fits and geometry layer by layer, then the patched passes of
     every layer and configuration over shared blocks of sequences."""
     families = {run.config.config_id: Store.open(sweep_root(store.root, run.config.config_id)) for run in runs}
@@ -135,6 +136,7 @@ def _sweep(context: dg.AssetExecutionContext, lm: LoadedModel, store: Store, mod
                                       sink.write)
             family.partition("spectra", model, layer).write(geo.spectra_table(prov, layer))
             family.partition("geometry_bootstrap", model, layer).write(geo.bootstrap_table(prov, layer))
+            del geo  # its Gram matrices and resamples go before the next configuration's are made
         del data
         context.log.info(f"{model} layer {layer}: fits and geometry of {len(runs)} configurations")
     input_ids, kept = sample_index(store, model, layers[0])

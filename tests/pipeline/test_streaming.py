@@ -7,6 +7,8 @@ neighbours differs from the sequence exclusion, so a stage that loses the docume
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import dagster as dg
@@ -19,6 +21,7 @@ from updatelens.assets import common
 from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
 from updatelens.orchestration.runner import materialize_model, materialize_sweep
 from updatelens.stages import SWEEP_TABLES, TABLES
+from updatelens.steps import geometry as steps_geometry
 from updatelens.storage.layout import sweep_root
 from updatelens.storage.store import Store
 
@@ -64,13 +67,33 @@ def _assert_equal(stored: pa.Table, expected: pa.Table, name: str, table: str) -
             assert a.equals(b), f"{name}.{column}"
 
 
+def most_layer_geometries_alive(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """[the most LayerGeometry objects alive at once], counted as each is made: a stage that keeps a
+    layer's (or a configuration's) Gram matrices and resamples while it makes the next one's holds
+    two (0.24 GiB on Gemma)."""
+    made: list[weakref.ref] = []
+    most = [0]
+
+    class Counted(steps_geometry.LayerGeometry):
+        def __init__(self, *args, **kwargs) -> None:
+            gc.collect()
+            most[0] = max(most[0], 1 + sum(ref() is not None for ref in made))
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(steps_geometry, "LayerGeometry", Counted)
+    return most
+
+
 def test_streamed_tables_equal_the_in_memory_analysis(zoo: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(common, "BLOCK_ROWS", 2 * SEQ_LEN)  # 3 blocks of 2 sequences per stage
     lens = UpdateLensResource(data_root=str(tmp_path), registry=str(zoo), analysis=AnalysisSettings(**SETTINGS))
     cfg = lens.config()
     assert len(common.seq_blocks(cfg)) == 3 and cfg.kl_block_size(512) == 2
+    most_alive = most_layer_geometries_alive(monkeypatch)
     assert materialize_model(MODEL, lens, dg.DagsterInstance.ephemeral(), layers=LAYERS, log_level="WARNING").success
+    assert most_alive == [1]  # one layer's geometry in memory at a time
 
     lm = lens.load(MODEL)
     compared = 0
@@ -91,7 +114,9 @@ def test_the_sweep_streams_and_equals_the_in_memory_analysis(zoo: Path, tmp_path
     assert materialize_model(MODEL, lens, instance, layers=LAYERS, stages=["activations"], log_level="WARNING").success
     assert not lens.store.has_model("local_fits", MODEL)
     grid = '{"k": [4], "exclusion": ["sequence"], "patch_mode": ["all"]}'
+    most_alive = most_layer_geometries_alive(monkeypatch)
     assert materialize_sweep(MODEL, lens, instance, {"grid": grid, "layers": LAYERS}).success
+    assert most_alive == [1]  # one configuration's geometry in memory at a time
 
     lm = lens.load(MODEL)
     base = lens.config().replace(controls=())
