@@ -132,11 +132,10 @@ def _sweep(context: dg.AssetExecutionContext, lm: LoadedModel, store: Store, mod
                             layer, sink.write, label=f"{model} layer {layer} ({run.convention}={run.setting}): ")
             prov = Provenance.of_rows(heads[layer], cfg, "geometry")
             with family.partition("geometry", model, layer).writer() as sink:
-                geo = stream_geometry(block_reader(store, model, layer, family), seq_blocks(cfg), cfg, docs[layer], prov,
-                                      sink.write)
-            family.partition("spectra", model, layer).write(geo.spectra_table(prov, layer))
-            family.partition("geometry_bootstrap", model, layer).write(geo.bootstrap_table(prov, layer))
-            del geo  # its Gram matrices and resamples go before the next configuration's are made
+                spectra, resamples = stream_geometry(block_reader(store, model, layer, family), seq_blocks(cfg), cfg,
+                                                     docs[layer], prov, sink.write)
+            family.partition("spectra", model, layer).write(spectra)
+            family.partition("geometry_bootstrap", model, layer).write(resamples)
         del data
         context.log.info(f"{model} layer {layer}: fits and geometry of {len(runs)} configurations")
     input_ids, kept = sample_index(store, model, layers[0])

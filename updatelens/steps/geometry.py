@@ -155,10 +155,10 @@ BlockReader = Callable[[int, int], tuple[LayerData, dict[str, LayerFit]]]
 
 
 def stream_geometry(read: BlockReader, blocks: Sequence[tuple[int, int]], cfg: AnalysisConfig, docs: np.ndarray,
-                    prov: Provenance, write: Callable[[pa.Table], None]) -> LayerGeometry:
+                    prov: Provenance, write: Callable[[pa.Table], None]) -> tuple[pa.Table, pa.Table]:
     """A layer's geometry over blocks of whole sequences, each read twice: the first pass accumulates the
-    Gram matrices, the second writes the per-token rows block by block (`write`). The spectra and the
-    resamples are the returned LayerGeometry's `spectra_table` and `bootstrap_table`."""
+    Gram matrices, the second writes the per-token rows block by block (`write`). Returns the spectra and
+    the resamples (tables); the Gram matrices go with the call, before the caller makes the next layer's."""
     geo: LayerGeometry | None = None
     for lo, hi in blocks:
         data, fits = read(lo, hi)
@@ -170,4 +170,4 @@ def stream_geometry(read: BlockReader, blocks: Sequence[tuple[int, int]], cfg: A
     for lo, hi in blocks:
         data, fits = read(lo, hi)
         write(geo.token_table(data, fits, prov))
-    return geo
+    return geo.spectra_table(prov, data.layer), geo.bootstrap_table(prov, data.layer)
