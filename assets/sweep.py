@@ -15,7 +15,6 @@ import dagster as dg
 import polars as pl
 import pyarrow as pa
 
-from updatelens.assets.activations import activations
 from updatelens.assets.common import (
     block_reader,
     check_upstream,
@@ -55,7 +54,7 @@ from updatelens.sweep import (
     sweep_runs,
 )
 from updatelens.tables import Provenance
-from updatelens.versions import SWEEP_ASSET, stage_version
+from updatelens.versions import SWEEP_ASSET, SWEEP_READS, stage_version
 
 assert "local_fits" in SWEEP_TABLES  # the functional passes read each configuration's stored fits
 
@@ -72,7 +71,8 @@ class SweepConfig(dg.Config):
 @dg.asset(
     name=SWEEP_ASSET,
     partitions_def=MODELS,
-    deps=[dg.AssetDep(activations, partition_mapping=dg.AllPartitionMapping())],  # the sample it analyses
+    # the sample it analyses: the reads its code version covers (updatelens.versions), every partition
+    deps=[dg.AssetDep(read, partition_mapping=dg.AllPartitionMapping()) for read in SWEEP_READS],
     group_name="reports",
     kinds={"pytorch", "parquet"},
     code_version=stage_version(SWEEP_ASSET),  # its module's engine closure and the activations' version
