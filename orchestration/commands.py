@@ -245,7 +245,8 @@ def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterIn
     base = reports_root(lens.root)
     print("\nFindings (SQL view findings, docs/method.md): the null is the same measure without the claimed "
           "structure; self_only and linear, the same measure when the truth is tokenwise by construction "
-          "(positive controls); estimator-limited: the estimator cannot show the structure at this sample size")
+          "(positive controls); estimator-limited: the value does not clear and the tokenwise target does not "
+          "either, so the estimator cannot show the structure at this sample size")
     print_frame(lens.store.query(FINDINGS_SQL, [list(models)]))
     weights = lens.store.query("SELECT DISTINCT model, weights FROM findings WHERE list_contains($1, model) "
                                "ORDER BY model", [list(models)])

@@ -28,6 +28,7 @@ from updatelens.storage import catalog
 from updatelens.storage.integrity import incomplete_layers, mixed_layers
 from updatelens.storage.layout import publish_dir
 from updatelens.storage.location import as_root
+from updatelens.verdicts import VERDICTS
 
 REPORTS = "reports"
 COMPARISON = "_comparison"  # not a valid model slug, so it never collides with one
@@ -133,6 +134,7 @@ th { background: #f3f3f3; }
 td.yes, td.holds { background: #e3f4e3; } td.no, td.fails { background: #fbe4e4; } td.flip { font-weight: bold; }
 td.indistinct { background: #fff1cc; } td.undecided { background: #eeeeee; }
 td.estimator-limited { background: #e1ecfb; } td.opposite { background: #f1dcf5; }
+td.no-control { background: #eeeeee; }
 """
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1500px; color: #222; }
@@ -155,7 +157,6 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-VERDICTS = ("holds", "fails", "undecided", "indistinct", "estimator-limited", "opposite")
 
 
 def html_table(frame: pl.DataFrame, verdict_columns: tuple[str, ...] = ("holds", "verdict")) -> str:
@@ -169,9 +170,9 @@ def html_table(frame: pl.DataFrame, verdict_columns: tuple[str, ...] = ("holds",
             if column in verdict_columns and isinstance(value, bool):
                 cls = ' class="yes"' if value else ' class="no"'
             elif column in verdict_columns and value in VERDICTS:
-                cls = f' class="{value}"'
+                cls = f' class="{value.replace(" ", "-")}"'
             elif column in verdict_columns and isinstance(value, str) and value.rsplit(": ", 1)[-1] in VERDICTS:
-                cls = f' class="{value.rsplit(": ", 1)[-1]}"'  # a comparison cell: "...: verdict"
+                cls = f' class="{value.rsplit(": ", 1)[-1].replace(" ", "-")}"'  # a comparison cell: "...: verdict"
             cells.append(f"<td{cls}>{html.escape(_cell(value))}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
@@ -316,11 +317,12 @@ def build_model_report(root: Path, model: str, config_id: str | None = None) -> 
             "the claimed structure is absent (<code>null_source</code>), with its own interval, and its tokenwise "
             "control: the same measure when the truth is tokenwise by construction (the block with each token "
             "attending to itself alone, or a linear map fitted without the token's document). The verdict: "
-            "<b>estimator-limited</b> when the control shows the estimator cannot show the structure at this "
-            "sample size (the control misses the threshold, or the real value cannot be told from it), "
+            "<b>holds</b> when it clears the threshold and beats the null (the control's outcome beside it), "
+            "<b>estimator-limited</b> when it does not clear and the control shows the estimator cannot show "
+            "the structure at this sample size (the control does not clear either, or the real value cannot be "
+            "told from it), <b>no control</b> when it does not clear and no control was measured to tell, "
             "<b>opposite</b> when the value is beyond its null on the wrong side of the claim, "
-            "<b>holds</b> when it clears the threshold and beats the null, <b>fails</b> when the whole interval "
-            "misses the threshold, <b>undecided</b> when it straddles it, "
+            "<b>fails</b> when the whole interval misses the threshold, <b>undecided</b> when it straddles it, "
             "<b>indistinct</b> when it clears the threshold but not the null: noise would pass too. SQL: "
             f"<code>SELECT * FROM findings WHERE model = '{html.escape(model)}'</code> (view definition below).</p>"
             + html_table(findings_summary(findings))

@@ -49,8 +49,9 @@ def _(catalog, mo, model, root):
     mo.vstack([mo.md(f"## Do the paper's claims hold?\nConfiguration `{config}`; the model ran with {weights}. "
                      "Each finding on the best class, with its 95 % interval over documents, its null (what the "
                      "same measure gives without the claimed structure) and its positive control (the same "
-                     "measure when the truth is tokenwise by construction). `estimator-limited`: a tokenwise "
-                     "target gives the same, so the estimator cannot show the structure at this sample size; "
+                     "measure when the truth is tokenwise by construction). `estimator-limited`: the value does not "
+                     "clear and a tokenwise target does not either, so the estimator cannot show the structure at "
+                     "this sample size; `no control`: it does not clear and no control was measured to tell; "
                      "`opposite`: beyond the null on the wrong side of the claim; `undecided`: the interval "
                      "straddles the threshold; `indistinct`: it clears the threshold but not the null. Colours as "
                      "in the reports."),

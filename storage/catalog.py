@@ -57,6 +57,13 @@ from updatelens.storage.layout import (
     sweep_runs_glob,
 )
 from updatelens.storage.location import as_root, is_local, url
+from updatelens.verdicts import (
+    CONTROL_WORDS,
+    NULL_WORDS,
+    difference_outcome_sql,
+    threshold_outcome_sql,
+    verdict_sql,
+)
 
 CATALOG_FILE = "updatelens.duckdb"
 
@@ -288,37 +295,19 @@ paired AS (
 ),
 outcomes AS (
     SELECT *,
-           CASE WHEN ci_lo IS NULL OR ci_hi IS NULL THEN NULL
-                WHEN (op = '>=' AND ci_lo >= bound) OR (op = '<=' AND ci_hi <= bound) THEN 'clears'
-                WHEN (op = '>=' AND ci_hi < bound) OR (op = '<=' AND ci_lo > bound) THEN 'misses'
-                ELSE 'straddles' END AS threshold_outcome,
-           CASE WHEN diff_ci_lo IS NULL OR diff_ci_hi IS NULL THEN NULL
-                WHEN (op = '>=' AND diff_ci_lo > 0) OR (op = '<=' AND diff_ci_hi < 0) THEN 'beyond'
-                WHEN (op = '>=' AND diff_ci_hi < 0) OR (op = '<=' AND diff_ci_lo > 0) THEN 'opposite'
-                ELSE 'indistinct' END AS null_outcome,
-           CASE WHEN control_role IN ('none', 'reference') OR control_ci_lo IS NULL THEN NULL
-                WHEN (op = '>=' AND control_ci_lo >= bound) OR (op = '<=' AND control_ci_hi <= bound) THEN 'clears'
-                WHEN (op = '>=' AND control_ci_hi < bound) OR (op = '<=' AND control_ci_lo > bound) THEN 'misses'
-                ELSE 'straddles' END AS control_threshold_outcome,
-           CASE WHEN control_role IN ('none', 'reference') OR control_diff_ci_lo IS NULL THEN NULL
-                WHEN control_diff_ci_lo > 0 OR control_diff_ci_hi < 0 THEN 'separates'
-                ELSE 'same' END AS control_outcome
+           {threshold_outcome} AS threshold_outcome,
+           {null_outcome} AS null_outcome,
+           CASE WHEN control_role IN ('none', 'reference') THEN NULL
+                ELSE {control_threshold_outcome} END AS control_threshold_outcome,
+           CASE WHEN control_role IN ('none', 'reference') THEN NULL
+                ELSE {control_outcome} END AS control_outcome
     FROM paired
 )
 SELECT model, config_id, fn_class, finding, statement, measure, value, threshold,
        CASE op WHEN '>=' THEN value >= bound AND value > null_value
                ELSE value <= bound AND value < null_value END AS holds,
        ci_lo, ci_hi, null_value, null_ci_lo, null_ci_hi, diff_ci_lo, diff_ci_hi, n_resamples, interval,
-       CASE WHEN threshold_outcome IS NULL THEN NULL
-            WHEN control_role = 'positive' AND (control_threshold_outcome <> 'clears'
-                 OR (control_outcome = 'same' AND NOT (threshold_outcome = 'clears' AND null_outcome = 'beyond')))
-                 THEN 'estimator-limited'
-            WHEN control_role = 'floor' AND control_outcome = 'same' THEN 'estimator-limited'
-            WHEN null_outcome = 'opposite' THEN 'opposite'
-            WHEN threshold_outcome = 'clears' AND null_outcome = 'beyond' THEN 'holds'
-            WHEN threshold_outcome = 'misses' THEN 'fails'
-            WHEN threshold_outcome = 'straddles' OR null_outcome IS NULL THEN 'undecided'
-            ELSE 'indistinct' END AS verdict,
+       {verdict} AS verdict,
        threshold_outcome, null_outcome, control_role, control, control_value, control_ci_lo, control_ci_hi,
        control_diff_ci_lo, control_diff_ci_hi, control_threshold_outcome, control_outcome,
        self_only_value, self_only_ci_lo, self_only_ci_hi, self_only_diff_ci_lo, self_only_diff_ci_hi,
@@ -327,6 +316,15 @@ SELECT model, config_id, fn_class, finding, statement, measure, value, threshold
 FROM outcomes
 ORDER BY model, config_id, fn_class, finding
 """
+
+# The outcomes and the verdict, rendered from their one declaration (updatelens.verdicts)
+OUTCOMES_SQL = {
+    "threshold_outcome": threshold_outcome_sql("op", "bound", "ci_lo", "ci_hi"),
+    "null_outcome": difference_outcome_sql("op", "diff_ci_lo", "diff_ci_hi", NULL_WORDS),
+    "control_threshold_outcome": threshold_outcome_sql("op", "bound", "control_ci_lo", "control_ci_hi"),
+    "control_outcome": difference_outcome_sql("op", "control_diff_ci_lo", "control_diff_ci_hi", CONTROL_WORDS),
+    "verdict": verdict_sql(),
+}
 
 # t(0.975, nu) for nu = 1 .. 30 degrees of freedom (scipy.stats.t.ppf, to 6 decimals; a test checks them);
 # beyond 30 the Cornish-Fisher series in the normal quantile is within 1e-6 of it
@@ -683,7 +681,8 @@ def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str 
                                          jk_null=jackknife_half_width("null_value"),
                                          jk_diff=jackknife_half_width("value - null_value"),
                                          jk_c_value=jackknife_half_width("c.value", "c.replicate"),
-                                         jk_c_diff=jackknife_half_width("f.value - c.value", "c.replicate")),
+                                         jk_c_diff=jackknife_half_width("f.value - c.value", "c.replicate"),
+                                         **OUTCOMES_SQL),
             FINDINGS_SQL.format(name=f"{prefix}findings", by_class=f"{prefix}findings_by_class",
                                 layer_summary=f"{prefix}layer_summary")]
 

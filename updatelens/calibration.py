@@ -30,6 +30,7 @@ from updatelens.models import LoadedModel
 from updatelens.neighbours import knn
 from updatelens.steps.controls import linear_target, made_controls
 from updatelens.tables import Provenance, with_provenance
+from updatelens.verdicts import threshold_outcome
 
 DEFAULT_TOKENS = (2048, 8192, 32768)
 DEFAULT_KS = (16, 64, 256)
@@ -106,7 +107,7 @@ def calibrate_layer(data: LayerSample, n_seq: int, ks: Sequence[int], cfg: Analy
     _, unit = np.unique(doc[anchors], return_inverse=True)
     counts = sequence_counts(np.unique(doc[anchors]), cfg.bootstrap, cfg.seed)[:, unit]
     params = FitParams(rank=cfg.rank, ridge=cfg.ridge, orthogonal_scale=cfg.orthogonal_scale)
-    threshold = BY_ID["1"].bound
+    finding = BY_ID["1"]
     rows: list[dict[str, object]] = []
     for k in ks:
         nb = inverse[found[anchors, :k]]
@@ -120,8 +121,7 @@ def calibrate_layer(data: LayerSample, n_seq: int, ks: Sequence[int], cfg: Analy
                          "target": target, "n_anchors": int(len(anchors)), "n_docs": int(len(np.unique(doc))),
                          "rel_err_median": float(np.median(rel)), "rel_err_lo": rel_lo, "rel_err_hi": rel_hi,
                          "cos_full_tok_median": float(np.median(cos)), "cos_lo": cos_lo, "cos_hi": cos_hi,
-                         "finding_1": "clears" if cos_lo >= threshold else "misses" if cos_hi < threshold
-                         else "straddles"})
+                         "finding_1": threshold_outcome(finding.op, finding.bound, cos_lo, cos_hi)})
     return rows
 
 

@@ -171,8 +171,8 @@ def test_a_layer_whose_target_is_the_tokenwise_control_is_never_fails(tmp_path: 
             assert row["control_outcome"] == "same"  # the real value is the control's
             assert row["self_only_diff_ci_lo"] == 0 and row["self_only_diff_ci_hi"] == 0
             assert row["verdict"] in ("estimator-limited", "holds"), row
-            if row["verdict"] == "holds":  # only where the control itself shows the structure
-                assert role == "positive" and row["control_threshold_outcome"] == "clears"
+            if row["verdict"] == "holds":  # only where the value (and so the control) clears its threshold
+                assert row["threshold_outcome"] == "clears" and row["control_threshold_outcome"] == "clears"
         else:
             assert row["control_outcome"] is None and row["verdict"] != "estimator-limited"
     assert "estimator-limited" in {r["verdict"] for r in rows}
@@ -191,7 +191,7 @@ def test_a_control_that_shows_the_structure_lets_a_real_failure_fail(tmp_path: P
                                  pa.array(low))
         write_partition(tmp_path, "geometry_bootstrap", "m", layer, table)
     row = catalog.query(tmp_path, "SELECT * FROM findings_by_class WHERE finding = '1' AND fn_class = 'lowrank'").to_dicts()[0]
-    assert row["control_threshold_outcome"] == "clears" and row["control_outcome"] == "separates"
+    assert row["control_threshold_outcome"] == "clears" and row["control_outcome"] == "below control"
     assert row["threshold_outcome"] == "misses" and row["verdict"] == "fails"
 
 
