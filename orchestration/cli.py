@@ -5,6 +5,7 @@ live in `commands.py`."""
 from __future__ import annotations
 
 import argparse
+import math
 import errno
 import json
 import os
@@ -24,6 +25,17 @@ from updatelens.orchestration.commands import (
     cmd_worker,
 )
 from updatelens.sweep import DEFAULT_GRID, SWEEP_LAYERS
+
+
+def positive_seconds(text: str) -> float:
+    """A time limit in seconds: a finite number above 0 (argparse names the flag and exits 2 otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     sql.add_argument("--data-root")
     sql.add_argument("--write", action="store_true",
                      help="allow statements that write (COPY ... TO, CREATE, ATTACH); default: read-only")
-    sql.add_argument("--timeout", type=float, metavar="SECONDS",
-                     help="stop a query still running after this many seconds (default: no limit)")
+    sql.add_argument("--timeout", type=positive_seconds, metavar="SECONDS",
+                     help="stop a query still running after this many seconds, a positive number (default: no limit)")
     sql.set_defaults(func=cmd_sql)
 
     verify = sub.add_parser("verify", help="check every stored partition file; list damaged files and incomplete "

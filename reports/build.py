@@ -275,7 +275,7 @@ def build_model_report(root: Path, model: str, config_id: str | None = None) -> 
         for table in absent:
             problems.setdefault((layer, table), "missing")
     for _, layer, runs in (m for m in mixed_layers(root, TABLES) if m[0] == model):
-        configs = ", ".join(f"{config} ({len(tables)} tables)" for (config, _code), tables in runs.items())
+        configs = ", ".join(f"{config} ({len(tables)} tables)" for config, tables in runs.items())
         notes.append(f"Layer {layer}: its tables come from different runs ({configs}), as a run with other settings "
                      f"leaves them when it stops midway; `updatelens run` recomputes the layer.")
     for (layer, table), reason in sorted(problems.items()):

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,15 +34,16 @@ POSITIVE_CONTROLS = ("self_only", "linear")
 EXECUTION_KEYS = ("anchor_chunk", "patch_batch", "capture_batch", "kl_block", "kl_budget_mb")
 
 
-def setting(default: object, *, choices: tuple[str, ...] = (), minimum: float | None = None, what: str = "",
-            flag: str = "", help: str = "") -> Any:
+def setting(default: object, *, choices: tuple[str, ...] = (), minimum: float | None = None,
+            maximum: float | None = None, above: float | None = None, what: str = "", flag: str = "",
+            help: str = "") -> Any:
     """A field of AnalysisConfig with what checking, the Dagster launchpad and the command line need to
     know of it: `choices` (a string field's values, or a list field's items' values; `what` names them
-    in the error), `minimum`, `flag` (a flag of `updatelens run` of its own, e.g. "--k") and `help`.
-    From these come the per-field checks of `validate`, the Dagster config's descriptions, the flags and
-    `updatelens run --help`'s list of settings."""
-    return dataclasses.field(default=default, metadata={"choices": choices, "minimum": minimum, "what": what,
-                                                        "flag": flag, "help": help})
+    in the error), its range (`minimum` and `maximum` inclusive, `above` exclusive), `flag` (a flag of
+    `updatelens run` of its own, e.g. "--k") and `help`. From these come the per-field checks of
+    `validate`, the Dagster config's descriptions, the flags and `updatelens run --help`'s list of settings."""
+    return dataclasses.field(default=default, metadata={"choices": choices, "minimum": minimum, "maximum": maximum,
+                                                        "above": above, "what": what, "flag": flag, "help": help})
 
 
 def json_object_env(name: str) -> dict[str, object] | None:
@@ -87,24 +89,28 @@ class AnalysisConfig:
     ridge: float = setting(1e-3, minimum=0, help="the fits' ridge, times the mean eigenvalue of each normal matrix")
     fit_dtype: str = setting("float64", choices=DTYPES, what="fit_dtype", help="the fits' solve precision")
     orthogonal_scale: bool = setting(True, help="the orthogonal class fits a scale too")
-    max_cond: float = setting(1e10, minimum=1, help="fits whose regularised system is worse are flagged degenerate")
+    max_cond: float = setting(1e10, minimum=1, maximum=1e300, help="fits whose regularised system is worse are "
+                                                                    "flagged degenerate")
     folds: int = setting(2, help="sequence folds of the per-layer classes (global_linear, mlp)")
     mlp_hidden: int = setting(256, minimum=1, help="hidden width of the mlp class")
     mlp_steps: int = setting(300, minimum=1, help="training steps of the mlp class")
-    mlp_lr: float = setting(1e-3, help="learning rate of the mlp class")
+    mlp_lr: float = setting(1e-3, above=0, maximum=10, help="learning rate of the mlp class")
     # 32 measured fastest on the CPU with one chunk per worker thread (SmolLM2, k=64: 1945 lowrank
     # anchors/s vs 1853 at 64); raise it on a GPU
     anchor_chunk: int = setting(32, minimum=1, help="anchors per batched solve (batching only)")
     # geometry
     subspace_ms: tuple[int, ...] = setting((1, 4, 16, 64), help="top-m tokenwise subspaces projected on (must hold 16)")
-    energy_threshold: float = setting(0.9, help="energy share that defines the dominant subspace, in (0, 1]")
+    energy_threshold: float = setting(0.9, above=0, maximum=1, help="energy share that defines the dominant subspace")
     # The effective ranks of finding 3 take a delete-a-group jackknife over documents instead of the
     # bootstrap (each group left out once; leave-one-out where there are fewer documents): an effective
     # rank on a resample drawn with replacement is biased low (repeated documents look like fewer
     # directions), so the bootstrap's percentile interval can miss its own point; the jackknife's is
     # centred on it. Each group costs five d x d eigendecompositions per class and layer
-    bootstrap: int = setting(200, minimum=0, help="bootstrap resamples over documents behind the findings' intervals")
-    jackknife_groups: int = setting(20, minimum=0, help="jackknife groups of finding 3's interval (0: none)")
+    # the resamples' multiplicities are bootstrap x n_seq floats, and each resample is a weighted pass over
+    # the layer's tokens: 10,000 bounds both (1e9 asked for 119 GiB before this bound)
+    bootstrap: int = setting(200, minimum=0, maximum=10_000,
+                             help="bootstrap resamples over documents behind the findings' intervals")
+    jackknife_groups: int = setting(20, minimum=0, maximum=1000, help="jackknife groups of finding 3's interval (0: none)")
     bootstrap_unit: str = setting("document", choices=UNITS, what="bootstrap_unit",
                                   help="the independent unit a resample draws with replacement")
     # functional metrics
@@ -136,7 +142,8 @@ class AnalysisConfig:
     # execution
     capture_batch: int = setting(8, minimum=1, help="sequences per captured forward pass (batching only)")
     device: str = setting("cpu", help="cpu or cuda[:i]")
-    seed: int = setting(0, help="seed of every random draw (resamples, random directions, sampled positions, index training)")
+    seed: int = setting(0, minimum=0, maximum=2**31 - 1,
+                        help="seed of every random draw (resamples, random directions, sampled positions, index training)")
 
     def __post_init__(self) -> None:
         # tuples survive JSON and Dagster config as lists; normalise so hashing is stable
@@ -157,8 +164,14 @@ class AnalysisConfig:
             for item in (value if isinstance(value, tuple) else (value,)):
                 if meta.get("choices") and item not in meta["choices"]:
                     bad(f"unknown {meta['what']} {item!r}; choose from {', '.join(meta['choices'])}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value != value:
+                bad(f"{f.name} must be a number, got {value}")  # NaN passes every comparison below
             if meta.get("minimum") is not None and value < meta["minimum"]:
                 bad(f"{f.name} must be >= {meta['minimum']}, got {value}")
+            if meta.get("maximum") is not None and value > meta["maximum"]:
+                bad(f"{f.name} must be <= {meta['maximum']}, got {value}")
+            if meta.get("above") is not None and not value > meta["above"]:
+                bad(f"{f.name} must be > {meta['above']}, got {value}")
         if max_positions is not None and self.seq_len > max_positions:
             bad(f"seq_len={self.seq_len} exceeds the model's context of {max_positions} positions; "
                 f"lower seq_len")
@@ -194,8 +207,6 @@ class AnalysisConfig:
         if 16 not in self.subspace_ms:  # the views read proj_*_m16 (finding "2 projection", layer_summary)
             bad(f"subspace_ms must include 16 (finding 2's projection and the per-layer summary read the "
                 f"top-16 projections), got {self.subspace_ms}")
-        if not 0 < self.energy_threshold <= 1:
-            bad(f"energy_threshold must be in (0, 1], got {self.energy_threshold}")
         if "crude" in self.controls:
             if self.crude_class not in FN_CLASSES:
                 bad(f"unknown crude_class {self.crude_class!r}")
@@ -204,7 +215,7 @@ class AnalysisConfig:
                     f"{self.classes}; add it or drop 'crude' from controls")
         if self.control_class and self.control_class not in self.classes:
             bad(f"control_class={self.control_class!r} is not among classes {self.classes}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             bad(f"device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
 
     # ---- identity ---------------------------------------------------------------------------
@@ -264,6 +275,10 @@ def field_help(f: dataclasses.Field) -> str:
         parts.append(f"one{' or more' if isinstance(default, tuple) else ''} of {', '.join(meta['choices'])}")
     if meta.get("minimum") is not None:
         parts.append(f">= {meta['minimum']}")
+    if meta.get("above") is not None:
+        parts.append(f"> {meta['above']}")
+    if meta.get("maximum") is not None:
+        parts.append(f"<= {meta['maximum']}")
     parts.append(f"default {shown}")
     return "; ".join(parts)
 

@@ -19,7 +19,7 @@ from typing import Any
 from updatelens.config import AnalysisConfig, preset_layers
 from updatelens.corpus import Sample, check_text_file, make_sample
 from updatelens.errors import ConfigError, ModelError, UpdateLensError
-from updatelens.models import resolve_source, window_bos
+from updatelens.models import resolve_source, window_first_token
 from updatelens.registry import CorpusEntry, ModelEntry
 
 BYTES_PER_VALUE = 4  # float32 vectors in Parquet
@@ -109,6 +109,21 @@ def _check_object_root(root: object) -> None:
                               f"the credentials and the endpoint (AWS_ENDPOINT_URL for a local S3 server)") from exc
 
 
+def check_device(device: str) -> None:
+    """ConfigError unless this torch build can run on `device` (a CUDA device on a CPU build, or an
+    index past the GPUs present, is refused before the weights load)."""
+    if device == "cpu":
+        return
+    import torch
+
+    index = int(device.split(":", 1)[1]) if ":" in device and device.split(":", 1)[1].isdigit() else 0
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r}, but this torch build ({torch.__version__}) has no usable CUDA device; "
+                          f"use device=cpu or install a CUDA build of torch (README, 'Installing')")
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"device={device!r}, but only {torch.cuda.device_count()} CUDA device(s) are present")
+
+
 def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_root: Path,
               layers: Sequence[int] | None = None, preset: str | None = None) -> Preflight:
     """`layers`: the layers the run analyses; None: the preset's (e.g. the study's three), or all of
@@ -125,6 +140,7 @@ def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_
         raise ModelError(f"model {entry.slug!r}: its config states no depth or width")
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     cfg.validate(d_model=d_model, max_positions=int(max_pos) if max_pos else None)
+    check_device(cfg.device)
     bad = sorted(layer for layer in set(layers or []) if not 0 <= layer < n_layers)
     if bad:
         raise ConfigError(f"{entry.slug} has {n_layers} layers (0..{n_layers - 1}); no layer {bad}")
@@ -133,7 +149,7 @@ def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_
     except (OSError, ValueError) as exc:
         raise ModelError(f"model {entry.slug!r}: no usable tokenizer at {source}: {exc}") from exc
     sample = make_sample(corpus, tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset, cfg.windows_per_doc,
-                         window_bos(config.model_type, tokenizer))
+                         window_first_token(config.model_type, tokenizer))
     n_analysed = len(set(layers)) if layers else len(preset_layers(preset, n_layers)) if preset else n_layers
     needed = estimate_bytes(cfg, n_analysed, d_model)
     check_data_root(data_root, needed)

@@ -186,3 +186,21 @@ def test_a_change_to_one_stages_code_reruns_that_stage_alone(
             assert entry["rows"] and entry["code_version"] == new[stage], (table, layer)
         else:
             assert entry == before[(stage, table, layer)], f"{table} of layer {layer} was rewritten"
+
+
+def test_a_report_on_a_layer_of_two_configurations_names_it_and_does_not_crash(
+        stored: tuple[UpdateLensResource, dg.DagsterInstance]) -> None:
+    """A run with other settings that stops between its stages leaves a layer whose tables come from two
+    configurations (the product can produce this root itself): the report builds and says so."""
+    import pyarrow as pa
+
+    from updatelens.storage.layout import read_file, write_partition
+
+    lens, _ = stored
+    table = read_file(partition_file(lens.root, "geometry", MODEL, 1))
+    other = table.set_column(table.schema.get_field_index("config_id"), "config_id",
+                             pa.array(["0123456789ab"] * len(table)))
+    write_partition(lens.root, "geometry", MODEL, 1, other)
+    notes = build_model_report(lens.root, MODEL).notes
+    assert any(n.startswith("Layer 1: its tables come from different runs") and "0123456789ab (1 tables)" in n
+               for n in notes), notes

@@ -19,12 +19,20 @@ BAD = [
     (dict(controls=("sideways",)), "unknown control"),
     (dict(seq_len=300), "exceeds the model's context of 256"),
     (dict(device="tpu"), "device must be"),
+    (dict(device="cuda:x"), "device must be"),
     (dict(bootstrap=-1), "bootstrap must be >= 0, got -1"),
     (dict(jackknife_groups=1), "jackknife_groups must be 0 .* or at least 2"),
     (dict(kl_block=0), "kl_block must be >= 1, got 0"),
     (dict(subspace_ms=(1, 4, 64)), "subspace_ms must include 16"),
     (dict(subspace_ms=(16, 90)), "subspace_ms may not include 90"),
     (dict(index="annoy"), "unknown index"),
+    (dict(seed=-1), "seed must be >= 0, got -1"),
+    (dict(seed=10**23), "seed must be <= 2147483647"),
+    (dict(mlp_lr=-0.1), "mlp_lr must be > 0, got -0.1"),
+    (dict(mlp_lr=float("nan")), "mlp_lr must be a number, got nan"),
+    (dict(bootstrap=10**9), "bootstrap must be <= 10000, got 1000000000"),
+    (dict(energy_threshold=1.5), "energy_threshold must be <= 1"),
+    (dict(energy_threshold=0.0), "energy_threshold must be > 0"),
 ]
 
 
@@ -119,10 +127,16 @@ def test_one_declaration_gives_the_checks_the_launchpad_the_flags_and_the_help(c
             bad = ("nonsense",) if isinstance(f.default, tuple) else "nonsense"
             with pytest.raises(ConfigError, match=f"unknown {f.metadata['what']} 'nonsense'; choose from"):
                 AnalysisConfig(**{f.name: bad}).validate()
-        if f.metadata.get("minimum") is not None:
+        if f.metadata.get("minimum") is not None:  # each declared bound is enforced, naming the field
             below = f.metadata["minimum"] - 1
             with pytest.raises(ConfigError, match=f"{f.name} must be >= "):
                 AnalysisConfig(**{f.name: type(f.default)(below)}).validate()
+        if f.metadata.get("maximum") is not None:
+            with pytest.raises(ConfigError, match=f"{f.name} must be <= "):
+                AnalysisConfig(**{f.name: type(f.default)(f.metadata["maximum"] * 2 + 1)}).validate()
+        if f.metadata.get("above") is not None:
+            with pytest.raises(ConfigError, match=f"{f.name} must be > "):
+                AnalysisConfig(**{f.name: type(f.default)(f.metadata["above"])}).validate()
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     shown = capsys.readouterr().out
@@ -148,3 +162,17 @@ def test_a_bad_setting_on_the_command_line_is_one_line_before_any_work(tmp_path,
         err = capsys.readouterr().err.strip()
         assert err.startswith("updatelens run: ") and message in err and "\n" not in err, err
     assert not (tmp_path / "data").exists()
+
+
+def test_a_cuda_device_on_a_build_without_one_is_refused_before_the_weights_load() -> None:
+    import torch
+
+    from updatelens.preflight import check_device
+
+    check_device("cpu")
+    if torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA device"):
+            check_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(ConfigError, match="has no usable CUDA device"):
+            check_device("cuda")

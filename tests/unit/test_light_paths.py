@@ -84,3 +84,14 @@ def test_a_query_past_its_timeout_or_interrupted_ends_in_one_line(tmp_path: Path
         proc.kill()
         raise AssertionError("the query did not stop on SIGINT")
     assert proc.returncode == 130 and err.strip() == "updatelens sql: interrupted; nothing was written", err
+
+
+@pytest.mark.parametrize("limit", ["nan", "-1", "0", "inf", "soon"])
+def test_a_timeout_that_is_not_a_positive_number_is_refused_in_one_line(limit: str, capsys: pytest.CaptureFixture) -> None:
+    from updatelens.orchestration.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["sql", "--data-root", "nowhere", "--timeout", limit, "SELECT 1"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --timeout" in err and ("positive number of seconds" in err or "not a number" in err), err
