@@ -13,7 +13,7 @@ import pyarrow as pa
 from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.capture import capture_batches, self_only_layers
+from updatelens.capture import capture_batches, self_first_layers
 from updatelens.preflight import check_data_root
 from updatelens.steps.activations import activation_rows, provenance, token_rows
 
@@ -43,14 +43,14 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
                      for layer in layers}
             token_sinks = {layer: stack.enter_context(store.partition("tokens", model, layer).writer())
                            for layer in layers}
-            self_only = self_only_layers(lm, cfg.positive_controls, layers)
+            self_first = self_first_layers(lm, cfg.positive_controls, layers, sample.first_token)
             for batch in capture_batches(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch,
-                                         last_block=max(layers), self_only=self_only):
+                                         last_block=max(layers), self_first=self_first):
                 text = token_rows(lm.tokenizer, batch.input_ids, 0, prov, batch.start)
                 for layer, sink in sinks.items():
                     docs = sample.doc_index[batch.start : batch.start + len(batch.input_ids)]
                     sink.write(activation_rows(batch.states, batch.input_ids, batch.attention_mask, layer,
-                                               cfg, prov, docs, batch.start, batch.self_only.get(layer)))
+                                               cfg, prov, docs, batch.start, batch.self_first.get(layer)))
                     token_sinks[layer].write(text.set_column(0, "layer", pa.array([layer] * len(text), pa.int32())))
         n_check = min(lens.checks.hidden_state_sequences, len(sample.input_ids))
         heads = {}

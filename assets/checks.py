@@ -562,6 +562,44 @@ def check_controls(geometry: pa.Table, spectra: pa.Table, n_kept: int, classes: 
     return verdict
 
 
+SPLIT_RTOL = 1e-6  # float64 norms of float32 vectors: the split's identity holds to ~1e-12 relative
+
+
+def check_context_split(split: pa.Table, data: LayerData, expected: bool) -> Verdict:
+    """The stored exact split (where the self-and-first control was captured): one row per kept token
+    of the activations, in their order, whose ||Δ_full|| is the activations' ||y - x|| (a row paired
+    with another token, layer or block fails here), cosines in [-1, 1], and the split adds up:
+    ||Δ_full||² = ||Δ_ctl||² + ||a||² + 2 ||Δ_ctl|| ||a|| cos(a, Δ_ctl) (Δ_full = Δ_ctl + a)."""
+    verdict = Verdict()
+    if not expected:
+        verdict.expect("no exact split without the self-and-first control", len(split) == 0,
+                       f"{len(split)} context_split rows stored where no self-and-first control was captured")
+        return verdict
+    same_tokens = (len(split) == len(data.seq) and np.array_equal(split["seq"].to_numpy(), data.seq)
+                   and np.array_equal(split["pos"].to_numpy(), data.pos))
+    verdict.expect("context_split covers the kept tokens in order", same_tokens,
+                   f"context_split has {len(split)} rows, the activations {len(data.seq)} kept tokens "
+                   f"(or another order)")
+    if not same_tokens:
+        return verdict
+    full = np.linalg.norm(data.y.astype(np.float64) - data.x, axis=1)
+    stored = split["norm_full"].to_numpy()
+    off = np.flatnonzero(~np.isclose(stored, full, rtol=SPLIT_RTOL, atol=1e-9))
+    verdict.expect("norm_full is the activations' ||y - x||", len(off) == 0,
+                   f"norm_full differs from the activations' ||y - x|| on {len(off)} tokens", _ids(split, off))
+    n_ctl, n_ctx, cos = (split[c].to_numpy() for c in ("norm_ctl", "norm_ctx", "cos_ctx_ctl"))
+    rebuilt = np.sqrt(np.maximum(n_ctl**2 + n_ctx**2 + 2 * n_ctl * n_ctx * cos, 0.0))
+    gap = np.flatnonzero(~np.isclose(rebuilt, stored, rtol=1e-5, atol=1e-6 * float(np.median(stored) or 1.0)))
+    verdict.expect("Δ_ctl + a = Δ_full", len(gap) == 0,
+                   f"the split does not add up to Δ_full on {len(gap)} tokens", _ids(split, gap))
+    ranges = {c: (-1.0, 1.0) for c in split.column_names if c.startswith("cos_")}
+    ranges.update({c: (0.0, np.inf) for c in ("norm_ctl", "norm_ctx", "ctl_ratio", "ctx_ratio")})
+    bad = np.flatnonzero(_outside(split, ranges) != "")
+    verdict.expect("context_split values in range", len(bad) == 0,
+                   f"{len(bad)} context_split rows with a value missing, not finite or out of range", _ids(split, bad))
+    return verdict
+
+
 def _outside(table: pa.Table, ranges: dict[str, tuple[float, float]]) -> np.ndarray:
     """Per row, the names of the columns whose value is null, not finite or outside its [low, high]
     ("" where every one is in range)."""

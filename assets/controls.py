@@ -48,17 +48,19 @@ def controls(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
             check_upstream(store, "local_fits", model, layer, cfg)
             table = store.partition("activations", model, layer).read()
             data = layer_data(table)
-            y_self = None
-            if pc.sum(pc.is_valid(table["y_self"])).as_py() == len(table):
-                y_self = to_matrix(table.sort_by([("seq", "ascending"), ("pos", "ascending")])["y_self"]).reshape(
+            y_ctl = None
+            if pc.sum(pc.is_valid(table["y_ctl"])).as_py() == len(table):
+                y_ctl = to_matrix(table.sort_by([("seq", "ascending"), ("pos", "ascending")])["y_ctl"]).reshape(
                     data.y_full.shape)
             neighbours = stored_neighbours(store.partition("local_fits", model, layer).read(
                 ["fn_class", "seq", "pos", "neighbours"]), (data.seq, data.pos))
-            made = control_layer_tables(data, y_self, neighbours, cfg, prov, log=functools.partial(log_for, context, model))
+            made = control_layer_tables(data, y_ctl, neighbours, cfg, prov, log=functools.partial(log_for, context, model))
             stored = {name: written.add(store.partition(name, model, layer), table) for name, table in made.items()}
-            expected = made_controls(cfg.positive_controls, y_self is not None)
+            expected = made_controls(cfg.positive_controls, y_ctl is not None)
             written.note(model, layer, positive_controls=",".join(expected) or "none")
-            verdicts[f"{model}:{layer:02d}"] = checks.check_controls(
-                stored["control_geometry"], stored["control_spectra"], len(data.x), cfg.classes, expected)
+            verdict = checks.check_controls(stored["control_geometry"], stored["control_spectra"], len(data.x),
+                                            cfg.classes, expected)
+            verdict.merge(checks.check_context_split(stored["context_split"], data, y_ctl is not None), "split: ")
+            verdicts[f"{model}:{layer:02d}"] = verdict
     return finish(store, cfg, written, outcomes=[
         checks.Outcome("controls", "controls_valid", verdicts, lens.checks)])

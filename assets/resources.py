@@ -18,7 +18,7 @@ from upath import UPath
 from updatelens.assets.checks import CheckSettings
 from updatelens.config import AnalysisConfig, field_help, json_object_env
 from updatelens.corpus import Sample, make_sample
-from updatelens.models import LoadedModel, load_model, window_bos
+from updatelens.models import LoadedModel, load_model, window_first_token
 from updatelens.registry import get_corpus, get_model, registry_path
 from updatelens.storage.location import as_root, default_data_root
 from updatelens.storage.store import Store
@@ -97,4 +97,4 @@ class UpdateLensResource(dg.ConfigurableResource):
         cfg = self.config()
         entry = get_corpus(self.corpus, Path(self.registry))
         return make_sample(entry, lm.tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset, cfg.windows_per_doc,
-                           window_bos(lm.adapter, lm.tokenizer))
+                           window_first_token(lm.adapter, lm.tokenizer))

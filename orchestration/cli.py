@@ -5,9 +5,9 @@ live in `commands.py`."""
 from __future__ import annotations
 
 import argparse
-import math
 import errno
 import json
+import math
 import os
 import sys
 

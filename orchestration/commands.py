@@ -38,7 +38,7 @@ ORDER BY layer, fn_class
 FINDINGS_SQL = """
 SELECT model, config_id, finding, fn_class, round(value, 3) AS value, round(ci_lo, 3) AS ci_lo, round(ci_hi, 3) AS ci_hi,
        threshold, round(null_value, 3) AS null, null_outcome AS vs_null,
-       round(self_only_value, 3) AS self_only, round(linear_value, 3) AS linear, control_outcome AS vs_control,
+       round(self_first_value, 3) AS self_first, round(linear_value, 3) AS linear, control_outcome AS vs_control,
        coalesce(verdict, CASE WHEN note IS NOT NULL THEN 'not measured' END) AS verdict
 FROM findings WHERE list_contains($1, model) ORDER BY model, config_id, finding
 """
@@ -244,7 +244,7 @@ def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterIn
             return 1
     base = reports_root(lens.root)
     print("\nFindings (SQL view findings, docs/method.md): the null is the same measure without the claimed "
-          "structure; self_only and linear, the same measure when the truth is tokenwise by construction "
+          "structure; self_first and linear, the same measure when the truth is tokenwise by construction "
           "(positive controls); estimator-limited: the value does not clear and the tokenwise target does not "
           "either, so the estimator cannot show the structure at this sample size")
     print_frame(lens.store.query(FINDINGS_SQL, [list(models)]))

@@ -35,6 +35,10 @@ COMPARISON = "_comparison"  # not a valid model slug, so it never collides with 
 # Every figure of a model report, in the order the report shows them, with its caption.
 CONVERGENCE_CAPTION = ("Each finding against the number of tokens in the sample (nested samples: the first n "
                        "windows of the corpus), one line per class with its 95% bootstrap band over sequences.")
+CONTEXT_SPLIT_CAPTION = ("Per layer, the exact split of the update by the self-and-first block: the share of "
+                         "‖Δ_full‖ that is the token's own update and the share the context adds (medians over "
+                         "tokens), and the cosine of the full update with the token's own, against finding 1's 0.9; "
+                         "bands: 95% bootstrap intervals over documents.")
 MODEL_FIGURES: dict[str, str] = {
     "layer_curves": "Per-layer curves, one line per function class: relative error, alignment in update and map "
                     "form, share of residual angles above 60°, projection energy of Δ_full, Δ_tok and r on the "
@@ -102,6 +106,8 @@ LEFT_OUT: dict[str, str] = {
     "control_geometry": "the layer's positive controls are left out of the findings' control columns",
     "control_spectra": "the layer's positive controls are left out of finding 3's control column",
     "control_geometry_bootstrap": "the layer is left out of the controls' intervals",
+    "context_split": "the layer is left out of the exact split's figure and table",
+    "context_split_bootstrap": "the layer's exact split has no interval",
 }
 
 def reports_root(root: str | Path) -> UPath:
@@ -253,6 +259,8 @@ def build_model_report(root: Path, model: str, config_id: str | None = None) -> 
         spectra = _frame(con, f"SELECT layer, fn_class, which, idx, cum_energy FROM spectra WHERE {where} AND {in_picks}",
                          params)
         findings = _frame(con, f"SELECT * FROM findings WHERE {where} ORDER BY finding", params)
+        split = (_frame(con, f"SELECT * FROM context_split_summary WHERE {where} ORDER BY layer", params)
+                 if "context_split_summary" in views else pl.DataFrame())
         converged = (_frame(con, "SELECT * FROM convergence WHERE model = ?", [model])
                      if "convergence" in views else pl.DataFrame())
         sensitivity, swept_layers = None, ""
@@ -291,6 +299,8 @@ def build_model_report(root: Path, model: str, config_id: str | None = None) -> 
         "energy_curves": lambda: fig.energy_curves(spectra, picks, f"{model}: singular-value energy"),
         "controls": lambda: fig.controls(summary, f"{model}: is it the residual's direction or only its size?"),
     }
+    if not split.is_empty():
+        drawings["context_split"] = lambda: fig.context_split(split, f"{model}: what attention to the context adds")
     if not converged.is_empty():
         drawings["convergence"] = lambda: fig.convergence(converged, f"{model}: findings against the sample size "
                                                                      f"(95% bootstrap intervals over sequences)")
@@ -316,7 +326,8 @@ def build_model_report(root: Path, model: str, config_id: str | None = None) -> 
             "interval (<code>ci_lo</code>, <code>ci_hi</code>), and its null: what the same measure gives where "
             "the claimed structure is absent (<code>null_source</code>), with its own interval, and its tokenwise "
             "control: the same measure when the truth is tokenwise by construction (the block with each token "
-            "attending to itself alone, or a linear map fitted without the token's document). The verdict: "
+            "attending to itself and the window's first position, or a linear map fitted without the token's "
+            "document). The verdict: "
             "<b>holds</b> when it clears the threshold and beats the null (the control's outcome beside it), "
             "<b>estimator-limited</b> when it does not clear and the control shows the estimator cannot show "
             "the structure at this sample size (the control does not clear either, or the real value cannot be "
@@ -330,6 +341,17 @@ def build_model_report(root: Path, model: str, config_id: str | None = None) -> 
             + html_table(findings.select("finding", "statement", "measure", "null_source", "threshold_source",
                                          "control_role", "layers", "note"), ()) + "</details>",
         ]
+        if not split.is_empty():
+            sections.append(
+                "<h2>What attention to the context adds</h2><p>Every window starts with one fixed token, so block l "
+                "run with each token attending to itself and that first position is exactly tokenwise, and each "
+                "update splits with no estimator: y = y_ctl(x) + a, Δ_full = Δ_ctl + a, a being what attention to "
+                "the rest of the context adds. Per layer, the medians over tokens with 95% bootstrap bands over "
+                "documents. SQL: <code>SELECT * FROM context_split_summary WHERE model = '"
+                + html.escape(model) + "'</code>; per token: <code>context_split</code>.</p>"
+                + _figure_section("context_split", CONTEXT_SPLIT_CAPTION, staging / "context_split.png")
+                + html_table(split.select(["layer", "n_tokens", *[c for c in split.columns if c.endswith("_median")]]),
+                             ()))
         if sensitivity is not None and not sensitivity.is_empty():
             sections.append(
                 "<h2>Sensitivity to the conventions</h2><p>Each finding re-measured with one convention changed "

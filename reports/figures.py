@@ -219,6 +219,30 @@ COMPARISON_PANELS = (
 )
 
 
+SPLIT_CURVES = (("ctl_ratio_median", "‖Δ_ctl‖ / ‖Δ_full‖: the token's own update", "tab:blue"),
+                ("ctx_ratio_median", "‖a‖ / ‖Δ_full‖: what the context adds", "tab:red"),
+                ("cos_full_ctl_median", "cos(Δ_full, Δ_ctl)", "tab:green"))
+
+
+def context_split(split: pl.DataFrame, title: str) -> Figure:
+    """Per layer, the medians of the exact split (view `context_split_summary`) with their 95 % bootstrap
+    bands over documents, and finding 1's threshold (0.9) for the cosine."""
+    fig, ax = plt.subplots(figsize=(9, 3.8), constrained_layout=True)
+    rows = split.sort("layer")
+    layer = rows["layer"].to_numpy()
+    for column, label, colour in SPLIT_CURVES:
+        ax.plot(layer, rows[column].to_numpy(), "o-", ms=3, color=colour, label=label)
+        if f"{column}_lo" in rows.columns and rows[f"{column}_lo"].null_count() < len(rows):
+            ax.fill_between(layer, rows[f"{column}_lo"].to_numpy().astype(float),
+                            rows[f"{column}_hi"].to_numpy().astype(float), color=colour, alpha=0.2)
+    ax.axhline(0.9, color="k", ls=":", lw=1, label="finding 1's threshold (cosine)")
+    ax.set_xlabel("layer")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    return fig
+
+
 def comparison_curves(summary: pl.DataFrame, title: str, bands: pl.DataFrame | None = None) -> Figure:
     """Side-by-side per-layer curves of several models against normalised depth, one line per
     model (its best class), with 95% bands where `bands` (`layer_bands` rows plus `depth`, of each

@@ -152,7 +152,7 @@ def _(catalog, mo, model, root, views):
     else:
         _body = mo.md("No calibration study yet: `updatelens calibrate` makes one.")
     mo.vstack([mo.md("## What the estimator can see\nThe calibration study: finding 1's cosine for the real layer "
-                     "and for targets tokenwise by construction (self_only, linear) as the sample grows. Where "
+                     "and for targets tokenwise by construction (self_first, linear) as the sample grows. Where "
                      "the tokenwise target does not clear 0.9, the estimator cannot show the structure at that "
                      "size."), _body])
     return

@@ -39,6 +39,7 @@ from updatelens.findings import (
     GEOMETRY_STATISTIC_DEFS,
     GEOMETRY_STATISTICS,
     JACKKNIFE_FIRST,
+    SPLIT_STATISTICS,
     STATISTICS,
     Finding,
     aggregate_sql,
@@ -208,10 +209,10 @@ SELECT * FROM f
 # Each finding against its threshold, its null and its positive controls (docs/method.md, "Verdicts"):
 # `threshold_outcome` (clears / misses / straddles: where the value's interval lies against the bound),
 # `null_outcome` (beyond / opposite / indistinct: where the interval of the value minus its null lies,
-# resample by resample), and per positive control (self_only, linear: the same finding over the
+# resample by resample), and per positive control (self_first, linear: the same finding over the
 # control's tables, `{controls}`) its value, interval and the interval of the real value minus the
 # control's (the same resamples: the control is measured on the same documents). The verdict's
-# control is self_only where it exists, else linear (`control`, `control_threshold_outcome`,
+# control is self_first where it exists, else linear (`control`, `control_threshold_outcome`,
 # `control_outcome`: separates / same).
 FINDINGS_BY_CLASS_SQL = """
 CREATE OR REPLACE VIEW {name} AS
@@ -278,20 +279,20 @@ ctl_intervals AS (
 ),
 paired AS (
     SELECT s.*,
-           so.value AS self_only_value, so.ci_lo AS self_only_ci_lo, so.ci_hi AS self_only_ci_hi,
-           so.diff_ci_lo AS self_only_diff_ci_lo, so.diff_ci_hi AS self_only_diff_ci_hi,
+           so.value AS self_first_value, so.ci_lo AS self_first_ci_lo, so.ci_hi AS self_first_ci_hi,
+           so.diff_ci_lo AS self_first_diff_ci_lo, so.diff_ci_hi AS self_first_diff_ci_hi,
            li.value AS linear_value, li.ci_lo AS linear_ci_lo, li.ci_hi AS linear_ci_hi,
            li.diff_ci_lo AS linear_diff_ci_lo, li.diff_ci_hi AS linear_diff_ci_hi,
            pc.control, pc.value AS control_value, pc.ci_lo AS control_ci_lo, pc.ci_hi AS control_ci_hi,
            pc.diff_ci_lo AS control_diff_ci_lo, pc.diff_ci_hi AS control_diff_ci_hi
     FROM summary s
     LEFT JOIN ctl_intervals so ON so.model = s.model AND so.config_id = s.config_id AND so.fn_class = s.fn_class
-         AND so.finding = s.finding AND so.control = 'self_only' AND so.ci_lo IS NOT NULL
+         AND so.finding = s.finding AND so.control = 'self_first' AND so.ci_lo IS NOT NULL
     LEFT JOIN ctl_intervals li ON li.model = s.model AND li.config_id = s.config_id AND li.fn_class = s.fn_class
          AND li.finding = s.finding AND li.control = 'linear' AND li.ci_lo IS NOT NULL
     LEFT JOIN ctl_intervals pc ON pc.model = s.model AND pc.config_id = s.config_id AND pc.fn_class = s.fn_class
          AND pc.finding = s.finding AND pc.ci_lo IS NOT NULL
-         AND pc.control = CASE WHEN so.control IS NOT NULL THEN 'self_only' ELSE 'linear' END
+         AND pc.control = CASE WHEN so.control IS NOT NULL THEN 'self_first' ELSE 'linear' END
 ),
 outcomes AS (
     SELECT *,
@@ -310,7 +311,7 @@ SELECT model, config_id, fn_class, finding, statement, measure, value, threshold
        {verdict} AS verdict,
        threshold_outcome, null_outcome, control_role, control, control_value, control_ci_lo, control_ci_hi,
        control_diff_ci_lo, control_diff_ci_hi, control_threshold_outcome, control_outcome,
-       self_only_value, self_only_ci_lo, self_only_ci_hi, self_only_diff_ci_lo, self_only_diff_ci_hi,
+       self_first_value, self_first_ci_lo, self_first_ci_hi, self_first_diff_ci_lo, self_first_diff_ci_hi,
        linear_value, linear_ci_lo, linear_ci_hi, linear_diff_ci_lo, linear_diff_ci_hi,
        threshold_source, null_source, layers, n_layers, note
 FROM outcomes
@@ -537,6 +538,28 @@ SELECT *, delta_ci_lo > 0 OR delta_ci_hi < 0 AS separates,
        verdict IS DISTINCT FROM baseline_verdict AND coalesce(delta_ci_lo > 0 OR delta_ci_hi < 0, false) AS flips
 FROM deltas
 ORDER BY model, finding, convention, setting
+"""
+
+
+def context_split_summary_sql() -> str:
+    """Per (model, layer, configuration): the exact split's medians over the kept tokens with their 95 %
+    bootstrap intervals over documents (the 2.5 % and 97.5 % quantiles of the resamples' medians)."""
+    points = ", ".join(f"median({column}) AS {name}" for name, column in SPLIT_STATISTICS)
+    bands = ", ".join(f"quantile_cont({name}, 0.025) AS {name}_lo, quantile_cont({name}, 0.975) AS {name}_hi"
+                      for name, _ in SPLIT_STATISTICS)
+    return f"""
+CREATE OR REPLACE VIEW context_split_summary AS
+WITH point AS (
+    SELECT model, layer, config_id, any_value(model_revision) AS model_revision, any_value(weights) AS weights,
+           any_value(corpus_slice) AS corpus_slice, any_value(code_version) AS code_version, count(*) AS n_tokens,
+           {points}
+    FROM context_split GROUP BY model, layer, config_id
+), bands AS (
+    SELECT model, layer, config_id, count(*) AS n_resamples, {bands}
+    FROM context_split_bootstrap GROUP BY model, layer, config_id
+)
+SELECT * FROM point LEFT JOIN bands USING (model, layer, config_id)
+ORDER BY model, config_id, layer
 """
 
 
@@ -921,6 +944,11 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[lis
         views += ["sweep_runs", "sensitivity"]
     else:
         con.execute("DROP VIEW IF EXISTS sensitivity")
+    if {"context_split", "context_split_bootstrap"} <= present:
+        con.execute(context_split_summary_sql())
+        views.append("context_split_summary")
+    else:
+        con.execute("DROP VIEW IF EXISTS context_split_summary")
     con.execute(damaged_view_sql(verified.damaged + verified.missing_text))
     made_controls = {t for t in CONTROL_TABLES if t in control_views}
     families = (("", present | made_controls, TABLES + STUDY_TABLES), ("sweep_", swept, SWEEP_TABLES),

@@ -142,10 +142,10 @@ def test_gemma_needs_its_bos_and_the_sample_gives_it(gemma) -> None:
     """Gemma 3 270M (18 blocks, d = 640, a 262,144-token vocabulary): with its BOS token first, the
     perplexity of the embedded sample is that of a trained model (measured 13.4 on these 8 windows);
     without it, several times higher (87.8)."""
-    from updatelens.models import window_bos
+    from updatelens.models import window_first_token
 
     assert (gemma.adapter, gemma.n_layers, gemma.d_model) == ("gemma3_text", 18, 640)
-    bos = window_bos(gemma.adapter, gemma.tokenizer)
+    bos = window_first_token(gemma.adapter, gemma.tokenizer)
     assert bos == gemma.tokenizer.bos_token_id
     perplexity = {}
     for first in (bos, None):
@@ -163,12 +163,12 @@ def test_gemma_capture_and_exact_single_position_effects(gemma) -> None:
     """The capture equals output_hidden_states (scaled embeddings, extra norms), and the one-pass
     single-position effects equal one pass per position on Gemma's sliding-window layers (float32:
     within 1e-3 relative, the float32 rounding of 18 blocks)."""
-    from updatelens.models import window_bos
+    from updatelens.models import window_first_token
     from updatelens.perturbation import single_position_kl
     from updatelens.single_position import all_single_position_kl
 
     sample = make_sample(get_corpus("wiki-embedded", REPO_REGISTRY), gemma.tokenizer, 2, 32, 0, 1,
-                         window_bos(gemma.adapter, gemma.tokenizer))
+                         window_first_token(gemma.adapter, gemma.tokenizer))
     cap = capture(gemma, sample.input_ids, sample.attention_mask, batch_size=2)
     with torch.inference_mode():
         hs = gemma.model(input_ids=torch.as_tensor(sample.input_ids), output_hidden_states=True).hidden_states

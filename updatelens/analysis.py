@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from updatelens.capture import capture, self_only_layers
+from updatelens.capture import capture, self_first_layers
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample
 from updatelens.models import LoadedModel
@@ -36,11 +36,11 @@ class LayerResult:
 
 def analyse_layer(lm: LoadedModel, data: LayerData, orig: OriginalOutput, cfg: AnalysisConfig, prov: Provenance,
                   returns_tuple: bool = False, tables: Collection[str] = TABLES,
-                  y_self: np.ndarray | None = None) -> dict[str, pa.Table]:
+                  y_ctl: np.ndarray | None = None) -> dict[str, pa.Table]:
     """The tables of the stages after the capture for one layer, in memory, in the stages' order
     (updatelens.stages); only what `tables` asks for is built. The assets run the same steps stage by
-    stage, streaming blocks of sequences through storage. `y_self` [n_seq, T, d]: the layer's
-    self-only block outputs (the positive control; None where the architecture has none)."""
+    stage, streaming blocks of sequences through storage. `y_ctl` [n_seq, T, d]: the layer's
+    self-and-first block outputs (the positive control; None where the architecture has none)."""
     fits, neighbours = compute_fits(data, cfg)
     out: dict[str, pa.Table] = {}
     if "local_fits" in tables:
@@ -56,7 +56,7 @@ def analyse_layer(lm: LoadedModel, data: LayerData, orig: OriginalOutput, cfg: A
             out["functional_bootstrap"] = functional_bootstrap_table(fm, cfg, prov.for_stage("functional_metrics"),
                                                                      data.layer, sample_docs(data))
     if set(CONTROL_TABLES) & set(tables):
-        out.update(control_layer_tables(data, y_self, neighbours, cfg, prov.for_stage("controls")))
+        out.update(control_layer_tables(data, y_ctl, neighbours, cfg, prov.for_stage("controls")))
     return {name: out[name] for name in TABLES if name in tables and name in out}
 
 
@@ -67,11 +67,11 @@ def analyse_model(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig,
     prov = provenance(lm, sample, cfg)
     chosen = list(layers) if layers is not None else list(range(lm.n_layers))
     cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch,
-                  self_only=self_only_layers(lm, cfg.positive_controls, chosen))
+                  self_first=self_first_layers(lm, cfg.positive_controls, chosen, sample.first_token))
     orig = original_output(lm, sample.input_ids, cfg.patch_batch)
     for layer in chosen:
         act = activations_table(cap, layer, cfg, prov, sample.doc_index)
         tables = {"activations": act, "tokens": token_rows(lm.tokenizer, sample.input_ids, layer, prov)}
         tables.update(analyse_layer(lm, layer_data(act), orig, cfg, prov, cap.block_returns_tuple,
-                                    y_self=cap.self_only.get(layer)))
+                                    y_ctl=cap.self_first.get(layer)))
         yield LayerResult(layer, tables)

@@ -20,7 +20,7 @@ import pyarrow as pa
 import torch
 
 from updatelens.bootstrap import sequence_counts, weighted_median
-from updatelens.capture import capture_batches, kept_mask
+from updatelens.capture import capture_batches, kept_mask, self_first_layers
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample
 from updatelens.findings import BY_ID
@@ -43,30 +43,30 @@ class LayerSample:
 
     x: np.ndarray  # [N, d] float32
     y: np.ndarray
-    y_self: np.ndarray | None
+    y_ctl: np.ndarray | None
     seq: np.ndarray  # [N]
     doc: np.ndarray  # [N]
 
 
 def capture_layers(lm: LoadedModel, sample: Sample, layers: Sequence[int], cfg: AnalysisConfig) -> dict[int, LayerSample]:
-    """h_l, h_{l+1} and the self-only block output (where the architecture has one) of every kept token."""
-    self_only = list(layers) if lm.self_attention else []
+    """h_l, h_{l+1} and the self-and-first block output (where the architecture has one) of every kept token."""
+    self_first = self_first_layers(lm, ("self_first",), layers, sample.first_token)
     parts: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]]] = {layer: [] for layer in layers}
     for batch in capture_batches(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch,
-                                 last_block=max(layers), self_only=self_only):
+                                 last_block=max(layers), self_first=self_first):
         kept = kept_mask(batch.attention_mask, cfg.skip_first_position)
         rows = np.nonzero(kept)[0] + batch.start
         for layer in layers:
-            alone = batch.self_only.get(layer)
+            alone = batch.self_first.get(layer)
             parts[layer].append((batch.states[layer][kept], batch.states[layer + 1][kept],
                                  alone[kept] if alone is not None else None, rows))
     out = {}
     for layer, chunks in parts.items():
         seq = np.concatenate([c[3] for c in chunks]).astype(np.int32)
         selves = [c[2] for c in chunks if c[2] is not None]
-        y_self = np.concatenate(selves) if len(selves) == len(chunks) else None
+        y_ctl = np.concatenate(selves) if len(selves) == len(chunks) else None
         out[layer] = LayerSample(np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks]),
-                                 y_self, seq, np.asarray(sample.doc_index)[seq].astype(np.int32))
+                                 y_ctl, seq, np.asarray(sample.doc_index)[seq].astype(np.int32))
     return out
 
 
@@ -93,8 +93,8 @@ def calibrate_layer(data: LayerSample, n_seq: int, ks: Sequence[int], cfg: Analy
     take = data.seq < n_seq
     x, y, seq, doc = data.x[take], data.y[take], data.seq[take], data.doc[take]
     targets: dict[str, np.ndarray] = {"real": y}
-    for control in made_controls(tuple(controls), data.y_self is not None):
-        targets[control] = data.y_self[take] if control == "self_only" else linear_target(x, y, doc, cfg.ridge)  # type: ignore[index]
+    for control in made_controls(tuple(controls), data.y_ctl is not None):
+        targets[control] = data.y_ctl[take] if control == "self_first" else linear_target(x, y, doc, cfg.ridge)  # type: ignore[index]
     rng = np.random.default_rng([cfg.seed, n_seq, 0xCA1])
     anchors = np.sort(rng.choice(len(x), size=min(n_anchors, len(x)), replace=False))
     groups = doc if cfg.exclusion == "document" else seq
@@ -142,7 +142,7 @@ def calibration_table(rows: list[dict[str, object]], prov: Provenance, layer: in
 
 def calibrate(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig, prov: Provenance, layers: Sequence[int],
               sizes: Sequence[int], ks: Sequence[int], fn_class: str = "lowrank", n_anchors: int = DEFAULT_ANCHORS,
-              controls: Sequence[str] = ("self_only", "linear"),
+              controls: Sequence[str] = ("self_first", "linear"),
               log: Callable[[str], None] = print) -> dict[int, pa.Table]:
     """Every layer's calibration table over the sizes (numbers of windows, nested) and neighbour counts."""
     with torch.inference_mode():

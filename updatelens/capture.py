@@ -35,8 +35,9 @@ class Captured:
     input_ids: np.ndarray  # [n_seq, seq_len]
     attention_mask: np.ndarray  # [n_seq, seq_len]
     block_returns_tuple: bool
-    # block l run on h_l with each token attending to itself alone, per layer asked for: [n_seq, seq_len, d]
-    self_only: dict[int, np.ndarray] = field(default_factory=dict)
+    # block l run on h_l with each token attending to itself and the window's first position, per layer
+    # asked for: [n_seq, seq_len, d]
+    self_first: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:
@@ -77,9 +78,9 @@ class CapturedBatch:
     input_ids: np.ndarray  # [b, seq_len]
     attention_mask: np.ndarray  # [b, seq_len]
     block_returns_tuple: bool
-    # block l run on h_l with each token attending to itself alone (the positive control), per layer
+    # block l run on h_l with each token attending to itself and the window's first position (the positive control), per layer
     # asked for: [b, seq_len, d] float32
-    self_only: dict[int, np.ndarray] = field(default_factory=dict)
+    self_first: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 class _StopForward(Exception):
@@ -105,15 +106,15 @@ def stop_after_block(blocks: nn.ModuleList, last: int) -> Iterator[None]:
 
 def capture_batches(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.ndarray,
                     batch_size: int = 8, last_block: int | None = None,
-                    self_only: Iterable[int] = ()) -> Iterator[CapturedBatch]:
+                    self_first: Iterable[int] = ()) -> Iterator[CapturedBatch]:
     """Run the sample through the model a batch at a time, yielding each batch's states: memory
     holds one batch (L+1 x b x seq_len x d), whatever the sample size. With `last_block`, each
     forward stops after that block (transition l needs blocks 0..l only) and the states after it
-    are absent (shape [last_block + 2, ...]). For each layer in `self_only` the batch also carries
-    block l run again on h_l with each token attending to itself alone (`self_only_outputs`)."""
-    self_only = sorted(set(self_only))
-    if self_only and not lm.self_attention:
-        raise ModelError(f"{lm.slug}: the self-only block control needs attention blocks (adapter {lm.adapter!r} "
+    are absent (shape [last_block + 2, ...]). For each layer in `self_first` the batch also carries
+    block l run again on h_l with each token attending to itself and the window's first position (`self_first_outputs`)."""
+    self_first = sorted(set(self_first))
+    if self_first and not lm.self_attention:
+        raise ModelError(f"{lm.slug}: the self-and-first block control needs attention blocks (adapter {lm.adapter!r} "
                          f"has none that take a mask)")
     last = lm.n_layers - 1 if last_block is None else last_block
     if not lm.allows_padding and not np.all(attention_mask == 1):
@@ -138,10 +139,10 @@ def capture_batches(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.n
                 kwargs = {"attention_mask": mask} if lm.allows_padding else {}
                 calls: dict[int, tuple[tuple, dict]] = {}
                 with torch.inference_mode(), record_block_states(lm.blocks, sink), \
-                        record_block_calls(lm.blocks, self_only, calls), stop_after_block(lm.blocks, last):
+                        record_block_calls(lm.blocks, self_first, calls), stop_after_block(lm.blocks, last):
                     lm.model(input_ids=ids, use_cache=False, **kwargs)
                 states = np.stack([chunks[0].numpy() for chunks in sink[: last + 2]])
-                alone = self_only_outputs(lm, states, calls, verify=start == 0)
+                alone = self_first_outputs(lm, states, calls, verify=start == 0)
                 yield CapturedBatch(start, states, input_ids[start : start + batch_size],
                                     attention_mask[start : start + batch_size], returns_tuple, alone)
     finally:
@@ -177,37 +178,41 @@ def record_block_calls(blocks: nn.ModuleList, layers: Iterable[int], calls: dict
             handle.remove()
 
 
-def self_only_mask(given: object, batch: int, seq_len: int, implementation: str, dtype: torch.dtype,
-                   device: torch.device) -> torch.Tensor:
-    """The 4D attention mask [batch, 1, T, T] that lets each position attend to itself alone, in the
-    form the model's attention takes: boolean (True: attend) where it was given a boolean mask or
-    runs SDPA without one (causal by flag), additive (0 on the diagonal, the dtype's minimum
-    elsewhere) where it was given a float mask or runs eager attention."""
-    eye = torch.eye(seq_len, dtype=torch.bool, device=device).expand(batch, 1, seq_len, seq_len)
+def self_first_mask(given: object, batch: int, seq_len: int, implementation: str, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """The 4D attention mask [batch, 1, T, T] that lets each position attend to itself and the
+    window's first position, in the form the model's attention takes: boolean (True: attend) where it
+    was given a boolean mask or runs SDPA without one (causal by flag), additive (0 where allowed, the
+    dtype's minimum elsewhere) where it was given a float mask or runs eager attention."""
+    allowed = torch.eye(seq_len, dtype=torch.bool, device=device)
+    allowed[:, 0] = True
+    allowed = allowed.expand(batch, 1, seq_len, seq_len)
     if isinstance(given, torch.Tensor):
         boolean = given.dtype == torch.bool
     elif given is None:
         if implementation not in ("sdpa", "eager"):
-            raise ModelError(f"the self-only block control needs eager or sdpa attention, not {implementation!r}")
+            raise ModelError(f"the self-and-first block control needs eager or sdpa attention, not {implementation!r}")
         boolean = implementation == "sdpa"
     else:
-        raise ModelError(f"the self-only block control needs a tensor attention mask; the model passes "
+        raise ModelError(f"the self-and-first block control needs a tensor attention mask; the model passes "
                          f"{type(given).__name__} to its blocks")
     if boolean:
-        return eye.contiguous()
-    return torch.where(eye, torch.zeros((), dtype=dtype, device=device),
+        return allowed.contiguous()
+    return torch.where(allowed, torch.zeros((), dtype=dtype, device=device),
                        torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device))
 
 
-def self_only_outputs(lm: LoadedModel, states: np.ndarray, calls: dict[int, tuple[tuple, dict]],
-                      verify: bool = False) -> dict[int, np.ndarray]:
-    """Block l on h_l (states[l]) with every token attending to itself alone, for each layer in
-    `calls`, with the arguments the model gave the block (norms, MLP, position embeddings and
-    nonlinearity all the model's own): in an attention block attention is the only path between
-    tokens, so this maps each token by itself: tokenwise by construction (docs/method.md, "Positive
-    controls"). Called through `forward`, so no hook of the capture sees these calls. `verify`
-    runs each block once more on the positions in reverse order and raises unless every token's
-    output is the same (the mask was honoured)."""
+def self_first_outputs(lm: LoadedModel, states: np.ndarray, calls: dict[int, tuple[tuple, dict]],
+                       verify: bool = False) -> dict[int, np.ndarray]:
+    """Block l on h_l (states[l]) with every token attending to itself and the window's first
+    position, for each layer in `calls`, with the arguments the model gave the block (norms, MLP,
+    position embeddings and nonlinearity all the model's own). Where every window starts with the
+    same token, the first position's state is the same in every window at every layer (it sees only
+    itself), so this maps each token by its own vector and that constant: tokenwise by construction,
+    with the attention sink where the layer has it (docs/method.md, "Positive controls"). Called
+    through `forward`, so no hook of the capture sees these calls. `verify` runs each block once more
+    with the odd positions' inputs changed and raises unless every even position's output (after the
+    first) is the same (the mask was honoured)."""
     out: dict[int, np.ndarray] = {}
     implementation = str(getattr(lm.model.config, "_attn_implementation", "") or "")
     device = lm.device
@@ -216,18 +221,20 @@ def self_only_outputs(lm: LoadedModel, states: np.ndarray, calls: dict[int, tupl
         x = torch.as_tensor(states[layer], device=device, dtype=dtype)
         b, t = x.shape[:2]
         given = dict(kwargs)
-        given["attention_mask"] = self_only_mask(kwargs.get("attention_mask"), b, t, implementation, dtype, device)
+        given["attention_mask"] = self_first_mask(kwargs.get("attention_mask"), b, t, implementation, dtype, device)
         with torch.inference_mode():
             y = first_tensor(lm.blocks[layer].forward(x, *args, **given)).to("cpu", torch.float32).numpy()
-            if verify:
-                flipped = first_tensor(lm.blocks[layer].forward(x.flip(1), *args, **given)).flip(1)
+            if verify and t >= 3:
+                changed = x.clone()
+                changed[:, 1::2] = x[:, 1::2].flip(0) * 2.0 + 1.0
+                again = first_tensor(lm.blocks[layer].forward(changed, *args, **given)).to("cpu", torch.float32).numpy()
                 scale = float(np.abs(y).max()) or 1.0
-                gap = float(np.abs(flipped.to("cpu", torch.float32).numpy() - y).max())
+                gap = float(np.abs(again[:, 2::2] - y[:, 2::2]).max())
                 if not np.isfinite(gap) or gap > 1e-3 * scale:
-                    raise ModelError(f"{lm.slug} block {layer}: with each token attending to itself alone, a "
-                                     f"token's output still depends on the others (largest change {gap:.3g} when "
-                                     f"the positions are reversed): the model ignores a 4D attention mask, so "
-                                     f"the self-only control cannot be made")
+                    raise ModelError(f"{lm.slug} block {layer}: with each token attending to itself and the first "
+                                     f"position, a token's output still depends on the others (largest change "
+                                     f"{gap:.3g} when the other positions change): the model ignores a 4D attention "
+                                     f"mask, so the self-and-first control cannot be made")
         out[layer] = y
     return out
 
@@ -246,22 +253,26 @@ def _counting_blocks(blocks: Iterable[nn.Module], bar: Progress) -> Iterator[Non
             handle.remove()
 
 
-def self_only_layers(lm: LoadedModel, positive_controls: Iterable[str], layers: Iterable[int]) -> list[int]:
-    """The layers whose self-only block outputs a capture makes: all of `layers` where the self-only
-    control is asked for and the architecture's blocks take an attention mask, else none."""
-    return sorted(set(layers)) if "self_only" in positive_controls and lm.self_attention else []
+def self_first_layers(lm: LoadedModel, positive_controls: Iterable[str], layers: Iterable[int],
+                      first_token: int | None) -> list[int]:
+    """The layers whose self-and-first block outputs a capture makes: all of `layers` where the
+    self-and-first control is asked for, the architecture's blocks take an attention mask and every
+    window starts with the same token (`first_token`, the sample's: without it the first position
+    differs between windows and the block is not tokenwise), else none."""
+    wanted = "self_first" in positive_controls and lm.self_attention and first_token is not None
+    return sorted(set(layers)) if wanted else []
 
 
 def capture(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.ndarray, batch_size: int = 8,
-            self_only: Iterable[int] = ()) -> Captured:
-    """The whole sample's states in memory ([L+1, n_seq, seq_len, d]), with the self-only block
-    outputs of the layers in `self_only`: for notebooks, tests and small samples. The pipeline
+            self_first: Iterable[int] = ()) -> Captured:
+    """The whole sample's states in memory ([L+1, n_seq, seq_len, d]), with the self-and-first block
+    outputs of the layers in `self_first`: for notebooks, tests and small samples. The pipeline
     streams with `capture_batches` instead."""
-    batches = list(capture_batches(lm, input_ids, attention_mask, batch_size, self_only=self_only))
+    batches = list(capture_batches(lm, input_ids, attention_mask, batch_size, self_first=self_first))
     states = np.concatenate([b.states for b in batches], axis=1)
-    alone = {layer: np.concatenate([b.self_only[layer] for b in batches]) for layer in batches[0].self_only}
+    alone = {layer: np.concatenate([b.self_first[layer] for b in batches]) for layer in batches[0].self_first}
     return Captured(states=states, input_ids=input_ids, attention_mask=attention_mask,
-                    block_returns_tuple=batches[-1].block_returns_tuple, self_only=alone)
+                    block_returns_tuple=batches[-1].block_returns_tuple, self_first=alone)
 
 
 def kept_mask(attention_mask: np.ndarray, skip_first_position: bool) -> np.ndarray:

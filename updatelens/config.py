@@ -26,10 +26,10 @@ DTYPES = ("float64", "float32")
 PATCH_MODES = ("auto", "exact", "all", "single")
 CONTROLS = ("random", "crude", "identity")
 # positive controls (docs/method.md, "Positive controls"): targets that are tokenwise by construction,
-# fitted and measured like the real update on the same neighbours. self_only: block l run with each
-# token attending to itself alone (attention architectures); linear: a ridge map x -> x + xB fitted to
+# fitted and measured like the real update on the same neighbours. self_first: block l run with each
+# token attending to itself and the window's first position (attention architectures); linear: a ridge map x -> x + xB fitted to
 # the real update without the token's document
-POSITIVE_CONTROLS = ("self_only", "linear")
+POSITIVE_CONTROLS = ("self_first", "linear")
 # settings that change how the work is batched, never the numbers: left out of config_id
 EXECUTION_KEYS = ("anchor_chunk", "patch_batch", "capture_batch", "kl_block", "kl_budget_mb")
 
@@ -126,9 +126,9 @@ class AnalysisConfig:
                                         help="the functional controls, each a patched pass")
     control_class: str = setting("", help="class whose residual the controls use (empty: the last class listed)")
     crude_class: str = setting("diagonal", help="the crude control's class")
-    # self_only by default (the linear control doubles the stage's cost: the calibration study runs
-    # both); where the architecture has no self-only block, the linear control stands in for it
-    positive_controls: tuple[str, ...] = setting(("self_only",), choices=POSITIVE_CONTROLS, what="positive control",
+    # self_first by default (the linear control doubles the stage's cost: the calibration study runs
+    # both); where the architecture has no self-and-first block, the linear control stands in for it
+    positive_controls: tuple[str, ...] = setting(("self_first",), choices=POSITIVE_CONTROLS, what="positive control",
                                                  help="targets tokenwise by construction, measured like the layer")
     # 8: measured fastest on SmolLM2, CPU
     patch_batch: int = setting(8, minimum=1, help="rows (variant x sequence) per patched forward pass (batching only)")

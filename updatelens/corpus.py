@@ -33,6 +33,7 @@ class Sample:
     attention_mask: np.ndarray  # [n_seq, seq_len] int64 (all ones: windows are never padded)
     doc_index: np.ndarray  # [n_seq] the document each window came from
     slice_desc: str  # e.g. "wiki-embedded[w0:16,len128]"
+    first_token: int | None = None  # the token every window starts with (make_sample), or None
 
 
 # ---- wikitext cleaning ------------------------------------------------------------------------
@@ -182,12 +183,13 @@ def read_documents(entry: CorpusEntry) -> Generator[str, None, None]:
 
 
 def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int, offset: int = 0,
-                windows_per_doc: int = 0, bos_id: int | None = None) -> Sample:
+                windows_per_doc: int = 0, first_token: int | None = None) -> Sample:
     """Tokenise documents in order and cut non-overlapping windows of seq_len tokens, at most
-    `windows_per_doc` of them from one document (0: every window). With `bos_id` every window is that
-    token followed by seq_len - 1 tokens of text (models that need their BOS first: Gemma)."""
-    body = seq_len - (1 if bos_id is not None else 0)
-    head = [bos_id] if bos_id is not None else []
+    `windows_per_doc` of them from one document (0: every window). With `first_token` every window is
+    that token followed by seq_len - 1 tokens of text (`models.window_first_token`: the model's BOS, or
+    its document separator), recorded in the slice as `first<id>`."""
+    body = seq_len - (1 if first_token is not None else 0)
+    head = [first_token] if first_token is not None else []
     need = offset + n_seq
     windows: list[list[int]] = []
     doc_of: list[int] = []
@@ -221,5 +223,6 @@ def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int,
         attention_mask=np.ones_like(ids),
         doc_index=np.asarray(doc_of[offset:need], dtype=np.int64),
         slice_desc=f"{entry.slug}[w{offset}:{need},len{seq_len}" + (f",per_doc{windows_per_doc}" if windows_per_doc else "")
-        + (",bos" if bos_id is not None else "") + "]",
+        + (f",first{first_token}" if first_token is not None else "") + "]",
+        first_token=first_token,
     )

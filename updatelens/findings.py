@@ -67,6 +67,17 @@ def aggregate_sql(column: str, how: str) -> str:
 TOKEN_STATISTICS: tuple[str, ...] = tuple(dict.fromkeys(column for _, column, _ in GEOMETRY_STATISTIC_DEFS))
 
 
+# The exact split's per-layer statistics (updatelens.steps.context_split): (statistic, per-token column of
+# `context_split`), each the median over the layer's kept tokens, on every bootstrap resample too.
+SPLIT_STATISTICS: tuple[tuple[str, str], ...] = (
+    ("ctl_ratio_median", "ctl_ratio"),
+    ("ctx_ratio_median", "ctx_ratio"),
+    ("cos_full_ctl_median", "cos_full_ctl"),
+    ("cos_ctx_full_median", "cos_ctx_full"),
+    ("cos_ctx_ctl_median", "cos_ctx_ctl"),
+)
+
+
 # Jackknife replicate g of the effective ranks is stored as replicate JACKKNIFE_FIRST - g (-2, -3, ...), beside
 # the bootstrap's 0 .. bootstrap-1 and the point estimate's -1 (the engine writes them, the catalog reads them)
 JACKKNIFE_FIRST = -2
@@ -113,7 +124,9 @@ class Finding:
         return f"{self.op} {self.bound:g}"
 
 
-RANDOM_DIRECTION = "u a random unit vector per token (the random control's), so r keeps its length, not its direction"
+RANDOM_DIRECTION = ("u a random unit vector per token drawn in the shape of the layer's updates (the direction of a "
+                    "draw of N(0, Σ), Σ the second moment of Δ_full), so r keeps its length and stays in the "
+                    "directions the stream uses, but loses its own direction")
 MIDDLE_GAP = ("avg(CASE WHEN {m} THEN rel_err_median END) - avg(CASE WHEN NOT ({m}) THEN rel_err_median END)")
 EDGE = "({layer} < 2 OR {layer} >= n_layers - 2)"  # the two first and two last layers of the model
 INNER_GAP = ("avg(CASE WHEN {m} THEN rel_err_median END) "
@@ -139,19 +152,19 @@ FINDINGS: tuple[Finding, ...] = (
             "mean over layers of the share of tokens with angle(Δ_tok, r) > 60°", "avg(frac_res_tok_angle_gt60)",
             ">=", 0.5, "as finding 2 angle, with the angle measured against Δ_tok",
             "avg(frac_res_tok_angle_gt60_null)",
-            f"the share with angle(Δ_tok, u) > 60°, {RANDOM_DIRECTION} (nearly all: random directions are "
-            f"almost orthogonal in d dimensions)"),
+            f"the share with angle(Δ_tok, u) > 60°, {RANDOM_DIRECTION}"),
     Finding("2 projection", "the residual projects little onto the tokenwise subspace",
             "mean over layers of the projection energy of r on the top-16 tokenwise directions", "avg(proj_res_m16)",
             "<=", 0.25, "the paper says 'weakly aligned'; a quarter of r's energy is UpdateLens's reading",
-            "avg(proj_res_m16_null)", f"the projection energy of u on the same 16 directions (about 16/d), "
+            "avg(proj_res_m16_null)", f"the projection energy of u on the same 16 directions, "
                                       f"{RANDOM_DIRECTION}"),
     Finding("3", "full and tokenwise updates are low-dimensional, the residual is not",
             "mean effective rank of Δ_full and Δ_tok over that of r (the larger of the two ratios)",
             "greatest(avg(rank_full), avg(rank_tok)) / avg(rank_res)", "<=", 0.5,
             "the paper gives no figure; at most half the residual's effective rank is UpdateLens's reading",
             "greatest(avg(rank_full_null), avg(rank_tok)) / avg(rank_res_null)",
-            f"the same ratio with r replaced by ‖r‖u, an isotropic residual of the same energy ({RANDOM_DIRECTION})",
+            f"the same ratio with r replaced by ‖r‖u, a residual of the same energy per token in the shape of "
+            f"the layer's updates ({RANDOM_DIRECTION})",
             interval="jackknife"),
     Finding("4", "approximation error predicts output perturbation",
             "median over layers of Spearman(relative error, KL at the patched position)", "median(spearman_relerr_kl)", ">=", 0.7,

@@ -38,7 +38,7 @@ class Adapter:
     # on the embedded sample); position 0 stays out of the statistics (skip_first_position)
     needs_bos: bool = False
     # whether the blocks mix tokens through attention that takes a 4D mask: the positive control
-    # "self-only block" (each token attends to itself alone) exists only then (updatelens.steps.controls)
+    # "self-and-first block" (each token attends to itself and the first position) exists only then (updatelens.steps.controls)
     self_attention: bool = True
 
 
@@ -61,16 +61,28 @@ ADAPTERS: dict[str, Adapter] = {
 }
 
 
-def window_bos(model_type: str, tokenizer: object) -> int | None:
-    """The token every sample window starts with for this architecture (its tokenizer's BOS where the
-    adapter says the model needs it), or None."""
+DOCUMENT_SEPARATOR = "<|endoftext|>"  # GPT-2, GPT-NeoX/Pythia, SmolLM, Qwen: the token between training documents
+
+
+def window_first_token(model_type: str, tokenizer: object) -> int | None:
+    """The one token every sample window starts with (docs/method.md, "Positive controls"): the
+    tokenizer's BOS where the adapter says the model needs it (Gemma); otherwise the token that
+    separates documents in training (`<|endoftext|>` where the vocabulary has it, else the EOS token,
+    else the BOS token). Its state is then the same in every window at every layer, which makes the
+    self-and-first block exactly tokenwise. None: the tokenizer has no such token (windows start with
+    text, and the self-and-first control cannot be made)."""
     adapter = ADAPTERS.get(model_type)
-    if adapter is None or not adapter.needs_bos:
-        return None
     bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        raise ModelError(f"{model_type} models need a BOS token first, and this tokenizer defines none")
-    return int(bos)
+    if adapter is not None and adapter.needs_bos:
+        if bos is None:
+            raise ModelError(f"{model_type} models need a BOS token first, and this tokenizer defines none")
+        return int(bos)
+    vocab = getattr(tokenizer, "get_vocab", None)
+    separator = vocab().get(DOCUMENT_SEPARATOR) if callable(vocab) else None
+    for candidate in (separator, getattr(tokenizer, "eos_token_id", None), bos):
+        if isinstance(candidate, int):
+            return candidate
+    return None
 
 
 @dataclass
@@ -86,7 +98,7 @@ class LoadedModel:
     revision: str
     allows_padding: bool
     hidden_states_offset: int = 0
-    self_attention: bool = False  # the adapter's: the self-only block control exists
+    self_attention: bool = False  # the adapter's: the self-and-first block control exists
     # the weights the model ran with: a GGUF's quantization (and its tensors' types) dequantized to the
     # run's dtype, or the checkpoint's dtype and the run's (`weights_of`); recorded on every row
     weights: str = "unknown"
@@ -134,7 +146,7 @@ def locate_blocks(model: nn.Module) -> tuple[str, nn.ModuleList, Adapter]:
                              f"{model_type!r}): no ModuleList of blocks; add an entry to "
                              f"updatelens.models.ADAPTERS")
         blocks = found[1]
-        # an unknown architecture: where its blocks mix tokens is unknown, so no self-only control
+        # an unknown architecture: where its blocks mix tokens is unknown, so no self-and-first control
         adapter = Adapter(found[0], allows_padding="mamba" not in model_type, self_attention=False)
         name = "fallback"
     depth = getattr(config, "num_hidden_layers", None)

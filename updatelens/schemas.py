@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from updatelens.config import AnalysisConfig
-from updatelens.findings import GEOMETRY_STATISTIC_DEFS
+from updatelens.findings import GEOMETRY_STATISTIC_DEFS, SPLIT_STATISTICS
 
 VECTOR = "vector"  # FixedSizeList<float32>[d_model]
 NEIGHBOURS = "neighbours"  # FixedSizeList<int32>[k]
@@ -93,8 +93,8 @@ def _bootstrap_geometry() -> list[Column]:
 
 
 CONTROL = _c("control", STR, "the positive control: the real target y replaced by one that is tokenwise by "
-                            "construction (self_only: block l with each token attending to itself alone; "
-                            "linear: x + xB fitted without the token's document)")
+                            "construction (self_first: block l with each token attending to itself and the "
+                            "window's first position; linear: x + xB fitted without the token's document)")
 CONTROL_PREFIX = "control_"  # the positive controls' tables: the geometry stage's, with a `control` column
 
 
@@ -112,7 +112,7 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                 _c("kept", BOOL, "analysed: not position 0, not padding"),
                 _c("x", VECTOR, "h_l, the block's input hidden state"),
                 _c("y", VECTOR, "h_{l+1}, the block's output hidden state"),
-                _c("y_self", VECTOR, "block l run on h_l with each token attending to itself alone: the "
+                _c("y_ctl", VECTOR, "block l run on h_l with each token attending to itself and the window's first position: the "
                                      "positive control's target, tokenwise by construction (null where the "
                                      "architecture has no attention or the control was not asked for)")]
     elif table == "tokens":
@@ -184,10 +184,20 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                 _c("spearman_relerr_kl_null", F64, "Spearman(rel_err, KL of the same-size random patch) on the resample"),
                 _c("spearman_normres_kl_null", F64, "Spearman(||r||, KL of the same-size random patch) on the resample"),
                 _c("kl_ratio_random", F64, "median paired ratio KL(remove r) / KL(random, same norm) on the resample")]
+    elif table == "context_split":
+        body = [SEQ, POS, _c("norm_full", F64, "||Δ_full|| = ||y - x||"),
+                _c("norm_ctl", F64, "||Δ_ctl|| = ||y_ctl - x||: the update of the self-and-first block (the token's own)"),
+                _c("norm_ctx", F64, "||a|| = ||y - y_ctl||: what attention to the rest of the context adds"),
+                _c("ctl_ratio", F64, "||Δ_ctl|| / ||Δ_full||"), _c("ctx_ratio", F64, "||a|| / ||Δ_full||"),
+                _c("cos_full_ctl", F64, "cos(Δ_full, Δ_ctl)"), _c("cos_ctx_full", F64, "cos(a, Δ_full)"),
+                _c("cos_ctx_ctl", F64, "cos(a, Δ_ctl)")]
+    elif table == "context_split_bootstrap":
+        body = [_c("replicate", I32, "bootstrap resample over documents (0 .. bootstrap-1)"),
+                *(_c(name, F64, f"median of {column} on the resample") for name, column in SPLIT_STATISTICS)]
     elif table == "calibration":
         body = [_c("n_tokens", I32, "kept tokens of the sample size (the first n_seq windows)"),
                 _c("n_seq", I32, "windows of the sample size"), FN_CLASS,
-                _c("target", STR, "what was fitted: real (the layer's y) or a positive control (self_only, linear)"),
+                _c("target", STR, "what was fitted: real (the layer's y) or a positive control (self_first, linear)"),
                 _c("n_anchors", I32, "anchors scored (a fixed subsample; the neighbours come from every token)"),
                 _c("n_docs", I32, "documents of the sample size (the bootstrap's unit)"),
                 _c("rel_err_median", F64, "median relative error ||y - T(x)|| / ||y - x|| over the anchors"),

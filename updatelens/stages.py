@@ -44,12 +44,15 @@ STAGES: tuple[Stage, ...] = (
           "Per token: cosines and angles between Δ_full, Δ_tok and r (update and map forms), projection "
           "energies on the top-m tokenwise subspace; per layer: singular spectra (table `spectra`) and the "
           "findings' statistics on bootstrap resamples (`geometry_bootstrap`).", ("activations", "local_fits")),
-    Stage("controls", "calibration", ("control_geometry", "control_spectra", "control_geometry_bootstrap"), False,
+    Stage("controls", "calibration", ("control_geometry", "control_spectra", "control_geometry_bootstrap",
+                                      "context_split", "context_split_bootstrap"), False,
           ("controls_valid",), ("parquet",),
           "Positive controls: the same classes, fitted on the same neighbours, to targets that are tokenwise "
-          "by construction (block l with each token attending to itself alone; a linear map fitted without "
-          "the token's document), measured like the real layer: the geometry tables with a `control` column. "
-          "What the estimator shows when the paper's structure is there.", ("activations", "local_fits"), may_be_empty=True),
+          "by construction (block l with each token attending to itself and the window's first position; a "
+          "linear map fitted without the token's document), measured like the real layer: the geometry tables "
+          "with a `control` column. What the estimator shows when the paper's structure is there. Tables "
+          "`context_split` and `context_split_bootstrap`: the exact split y = y_ctl + a of every update by the "
+          "self-and-first block.", ("activations", "local_fits"), may_be_empty=True),
     Stage("functional_metrics", "analysis", ("functional_metrics", "functional_summary", "functional_bootstrap"),
           True, ("functional_valid",), ("pytorch", "parquet"),
           "Per token KL of the next-token distribution when block l's output is replaced by T(h_l) (residual "

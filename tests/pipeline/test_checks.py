@@ -108,8 +108,8 @@ def test_wrong_vector_length_blocks_the_fits(zoo: Path, tmp_path: Path, monkeypa
     """x and y one entry short (a capture from another width: the schema takes any width shared by
     a table's vectors, the check compares it with the model's)."""
     def short(t: pa.Table) -> pa.Table:
-        for column in ("x", "y", "y_self"):
-            if t[column].null_count < len(t):  # y_self: only at the layers that capture a self-only control
+        for column in ("x", "y", "y_ctl"):
+            if t[column].null_count < len(t):  # y_ctl: only at the layers that capture a self-and-first control
                 t = with_vectors(t, column, lambda v: v[:, :-1])
         return t
 
@@ -302,7 +302,7 @@ def test_a_block_counted_twice_in_the_geometry_spectra_fails_its_check(zoo: Path
 
 def test_a_control_lost_or_out_of_range_fails_the_controls_check(zoo: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The controls stage loses its self-only control (only the linear one is stored, where both were
+    """The controls stage loses its self-and-first control (only the linear one is stored, where both were
     asked for), and the linear control's cosines leave [-1, 1]: controls_valid names both."""
     import updatelens.steps.controls as stage
 
@@ -310,18 +310,18 @@ def test_a_control_lost_or_out_of_range_fails_the_controls_check(zoo: Path, tmp_
 
     def broken(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
         for control, (geometry, spectra, resamples) in original(*args, **kwargs):
-            if control == "self_only":
+            if control == "self_first":
                 continue
             column = geometry.schema.get_field_index("cos_full_tok")
             geometry = geometry.set_column(column, "cos_full_tok", pc.add(geometry["cos_full_tok"], 3.0))
             yield control, (geometry, spectra, resamples)
 
     monkeypatch.setattr(stage, "control_tables", broken)
-    monkeypatch.setitem(SETTINGS, "positive_controls", ["self_only", "linear"])
+    monkeypatch.setitem(SETTINGS, "positive_controls", ["self_first", "linear"])
     result, _ = run(zoo, tmp_path)
     evaluation = evaluations(result)["controls_valid"]
     assert not evaluation.passed
-    assert "controls stored ['linear'], expected ['linear', 'self_only']" in evaluation.description
+    assert "controls stored ['linear'], expected ['linear', 'self_first']" in evaluation.description
     assert "linear: " in evaluation.description and "out_of_range" in evaluation.description, evaluation.description
 
 

@@ -21,11 +21,11 @@ def provenance(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig) -> Provenan
 
 def activation_rows(states: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray, layer: int,
                     cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray, seq_offset: int = 0,
-                    self_only: np.ndarray | None = None) -> pa.Table:
+                    self_first: np.ndarray | None = None) -> pa.Table:
     """Transition l for a batch of sequences: x = h_l, y = h_{l+1}, every position (kept flags the
     ones in statistics). `states` [L+1, b, T, d]; the rows are sequences seq_offset.. of the sample,
-    `docs` [b] the document each was cut from; `self_only` [b, T, d]: block l with each token
-    attending to itself alone (null where not made: an architecture without attention, or not asked)."""
+    `docs` [b] the document each was cut from; `self_first` [b, T, d]: block l with each token
+    attending to itself and the window's first position (null where not made: an architecture without attention, or not asked)."""
     n_seq, seq_len = input_ids.shape
     kept = kept_mask(attention_mask, cfg.skip_first_position)
     d = states.shape[-1]
@@ -38,7 +38,7 @@ def activation_rows(states: np.ndarray, input_ids: np.ndarray, attention_mask: n
         "kept": pa.array(kept.reshape(-1)),
         "x": vector_column(states[layer].reshape(-1, d)),
         "y": vector_column(states[layer + 1].reshape(-1, d)),
-        "y_self": (vector_column(self_only.reshape(-1, d)) if self_only is not None
+        "y_ctl": (vector_column(self_first.reshape(-1, d)) if self_first is not None
                    else pa.nulls(n_seq * seq_len, pa.list_(pa.float32(), d))),
     }
     return with_provenance(cols, prov, layer)
@@ -68,4 +68,4 @@ def token_rows(tokenizer: object, input_ids: np.ndarray, layer: int, prov: Prove
 def activations_table(cap: Captured, layer: int, cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray) -> pa.Table:
     """Transition l of a whole in-memory capture (notebooks, tests); `docs`: the sample's doc_index."""
     return activation_rows(cap.states, cap.input_ids, cap.attention_mask, layer, cfg, prov, docs,
-                           self_only=cap.self_only.get(layer))
+                           self_first=cap.self_first.get(layer))

@@ -5,9 +5,9 @@ show the paper's structure if it were there (docs/method.md, "Positive controls"
 replaces the real output y of block l by a target that maps each token by itself, and runs the same
 fits (the same classes, on the same stored neighbours) and the same geometry as the real layer:
 
-- `self_only`: block l on h_l with each token attending to itself alone (captured with the
-  activations, column `y_self`): the model's own norms, MLP and nonlinearity, and no path between
-  tokens. Attention architectures only (Mamba's mixer has no mask: no self-only stand-in).
+- `self_first`: block l on h_l with each token attending to itself and the window's first position (captured with the
+  activations, column `y_ctl`): the model's own norms, MLP and nonlinearity, and no path between
+  tokens. Attention architectures only (Mamba's mixer has no mask: no self-and-first stand-in).
 - `linear`: x -> x + xB, B a ridge fit of the real update y - x on every token outside the token's
   document (leave one document out), so the target of a token never used its own article.
 
@@ -28,11 +28,14 @@ from updatelens.config import AnalysisConfig
 from updatelens.fits import fit_layer
 from updatelens.schemas import empty_table
 from updatelens.stages import BY_NAME
+from updatelens.steps.context_split import context_split_tables
 from updatelens.steps.geometry import geometry_tables
 from updatelens.steps.layer import LayerData
 from updatelens.tables import Provenance
 
-CONTROL_TABLES = BY_NAME["controls"].tables  # control_geometry, control_spectra, control_geometry_bootstrap
+CONTROL_TABLES = BY_NAME["controls"].tables  # control_geometry, control_spectra, control_geometry_bootstrap, context_split*
+MEASURED_TABLES = CONTROL_TABLES[:3]  # the geometry stage's tables, per control
+SPLIT_TABLES = CONTROL_TABLES[3:]  # the exact split by the self-and-first block
 
 
 def linear_target(x: np.ndarray, y: np.ndarray, doc: np.ndarray, ridge: float) -> np.ndarray:
@@ -54,15 +57,15 @@ def linear_target(x: np.ndarray, y: np.ndarray, doc: np.ndarray, ridge: float) -
     return out
 
 
-def control_targets(data: LayerData, y_self: np.ndarray | None, cfg: AnalysisConfig) -> dict[str, np.ndarray]:
+def control_targets(data: LayerData, y_ctl: np.ndarray | None, cfg: AnalysisConfig) -> dict[str, np.ndarray]:
     """Each configured control's target over the full grid [n_seq, T, d] (kept positions filled; the
-    others hold y, never read). `y_self`: the stored self-only outputs [n_seq, T, d], None where the
+    others hold y, never read). `y_ctl`: the stored self-and-first outputs [n_seq, T, d], None where the
     architecture has none: the linear control then stands in for it."""
     out: dict[str, np.ndarray] = {}
-    for control in made_controls(cfg.positive_controls, y_self is not None):
-        if control == "self_only":
-            if y_self is not None:
-                out[control] = y_self
+    for control in made_controls(cfg.positive_controls, y_ctl is not None):
+        if control == "self_first":
+            if y_ctl is not None:
+                out[control] = y_ctl
         elif control == "linear":
             grid = data.y_full.copy()
             grid[data.kept] = linear_target(data.x, data.y, data.doc, cfg.ridge)
@@ -72,24 +75,24 @@ def control_targets(data: LayerData, y_self: np.ndarray | None, cfg: AnalysisCon
     return out
 
 
-def made_controls(asked: tuple[str, ...], has_self_only: bool) -> list[str]:
-    """The controls made for `asked` (in order): self_only where the architecture has it, the linear
+def made_controls(asked: tuple[str, ...], has_self_first: bool) -> list[str]:
+    """The controls made for `asked` (in order): self_first where the architecture has it, the linear
     control in its place where it has not (Mamba, an unknown architecture)."""
     out: list[str] = []
     for control in asked:
-        if control == "self_only" and not has_self_only:
+        if control == "self_first" and not has_self_first:
             control = "linear"
         if control not in out:
             out.append(control)
     return out
 
 
-def control_tables(data: LayerData, y_self: np.ndarray | None, neighbours: np.ndarray | None,
+def control_tables(data: LayerData, y_ctl: np.ndarray | None, neighbours: np.ndarray | None,
                    cfg: AnalysisConfig, prov: Provenance) -> Iterator[tuple[str, tuple[pa.Table, pa.Table, pa.Table]]]:
     """(control, (per-token geometry, spectra, bootstrap statistics)) for each control: the target
     fitted by every configured class on the real layer's neighbours, then measured by the geometry
     stage's own code. One control's fits in memory at a time."""
-    for control, target in control_targets(data, y_self, cfg).items():
+    for control, target in control_targets(data, y_ctl, cfg).items():
         controlled = replace(data, y_full=target)
         fits = {c: fit_layer(c, controlled.x, controlled.y, controlled.seq, neighbours, cfg) for c in cfg.classes}
         tables = geometry_tables(controlled, fits, cfg, prov, null_spectra=False)
@@ -97,16 +100,20 @@ def control_tables(data: LayerData, y_self: np.ndarray | None, neighbours: np.nd
         yield control, (geometry, spectra, resamples)
 
 
-def control_layer_tables(data: LayerData, y_self: np.ndarray | None, neighbours: np.ndarray | None,
+def control_layer_tables(data: LayerData, y_ctl: np.ndarray | None, neighbours: np.ndarray | None,
                          cfg: AnalysisConfig, prov: Provenance,
                          log: Callable[[str], None] = lambda _msg: None) -> dict[str, pa.Table]:
     """The controls stage's tables of one layer (`control_geometry`, `control_spectra`,
-    `control_geometry_bootstrap`): every control's rows, or the empty table where none is made. The
-    asset and the in-memory analysis (`updatelens.analysis.analyse_layer`) both build them here."""
+    `control_geometry_bootstrap`: every control's rows; `context_split` and its resamples: the exact
+    split by the self-and-first block where it was captured), or the empty table where none is made.
+    The asset and the in-memory analysis (`updatelens.analysis.analyse_layer`) both build them here."""
     made: dict[str, list[pa.Table]] = {name: [] for name in CONTROL_TABLES}
-    for control, tables in control_tables(data, y_self, neighbours, cfg, prov):
+    for control, tables in control_tables(data, y_ctl, neighbours, cfg, prov):
         log(f"layer {data.layer}: positive control {control} fitted and measured")
-        for name, part in zip(CONTROL_TABLES, tables):
+        for name, part in zip(MEASURED_TABLES, tables):
+            made[name].append(part)
+    if y_ctl is not None:
+        for name, part in zip(SPLIT_TABLES, context_split_tables(data, y_ctl, cfg, prov)):
             made[name].append(part)
     return {name: pa.concat_tables(parts) if parts else empty_table(name, cfg) for name, parts in made.items()}
 
