@@ -63,10 +63,26 @@ def token_metrics(x: np.ndarray, y: np.ndarray, tx: np.ndarray, dec: Decompositi
     }
 
 
+def update_shape(gram: np.ndarray, n: int) -> np.ndarray:
+    """A square root S of the second moment Σ = gram / n of a layer's updates (Σ = S Sᵀ, from its
+    eigendecomposition; negative rounding clipped): S z, z isotropic, is a draw of N(0, Σ)."""
+    values, vectors = np.linalg.eigh(np.asarray(gram, np.float64) / max(n, 1))
+    return vectors * np.sqrt(np.clip(values, 0.0, None))[None, :]
+
+
+def shaped_directions(isotropic: np.ndarray, shape: np.ndarray) -> np.ndarray:
+    """Unit vectors in the directions of N(0, S Sᵀ) draws, from isotropic ones [N, d] (the direction of
+    S g is that of S (g / ||g||)): random directions in the shape of the layer's updates, so the null's
+    residual stays in the directions the stream uses (docs/method.md, "Nulls")."""
+    v = np.asarray(isotropic, np.float64) @ shape.T
+    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), EPS)
+
+
 def null_residual(dec: Decomposition, directions: np.ndarray) -> Decomposition:
     """The decomposition the same tokens would have if each residual kept its length but pointed in a
-    random direction (`directions`: unit vectors [N, d]): the null against which the findings'
-    geometry is judged (docs/method.md, "Nulls"). Δ_tok is unchanged; r0 = ||r|| u, Δ_full0 = Δ_tok + r0."""
+    random direction (`directions`: unit vectors [N, d], drawn in the layer's shape: `shaped_directions`):
+    the null against which the findings' geometry is judged (docs/method.md, "Nulls"). Δ_tok is
+    unchanged; r0 = ||r|| u, Δ_full0 = Δ_tok + r0."""
     r0 = np.linalg.norm(dec.residual, axis=1, keepdims=True) * np.asarray(directions, np.float64)
     return Decomposition(delta_full=dec.delta_tok + r0, delta_tok=dec.delta_tok, residual=r0)
 

@@ -23,16 +23,18 @@ from updatelens.geometry import (
     null_metrics,
     null_residual,
     projection_metrics,
+    shaped_directions,
     spectrum_from_gram,
     subspace_from_gram,
     token_metrics,
+    update_shape,
 )
 from updatelens.steps.layer import LayerData, random_directions, resample_counts, resample_units, sample_docs
 from updatelens.tables import Provenance, with_provenance
 
 WHICH = ("full", "tok", "res")
 # the spectra of the null (docs/method.md, "Nulls"): Δ_full and r when each residual keeps its length
-# but points in a random direction (the random control's direction)
+# but points in a random direction drawn in the shape of the layer's updates (`shaped_directions`)
 NULL_WHICH = ("full_null", "res_null")
 NULL_M = 16  # the tokenwise subspace of finding "2 projection"
 
@@ -41,8 +43,10 @@ class LayerGeometry:
     """The geometry of one layer in two passes over blocks of whole sequences (or one block: the whole
     layer), so memory holds a block plus d x d matrices whatever the number of tokens:
     `accumulate` every block (Gram matrices of Δ_full, Δ_tok and r per class, and per bootstrap
-    resample for the spectra), `finish`, then `token_table` every block (per-token geometry against
-    the dominant tokenwise subspace); `spectra_table` and `bootstrap_table` once at the end."""
+    resample for the spectra), `finish` (the dominant tokenwise subspaces, and the shape of the
+    layer's updates that the null's residuals are drawn in), then `token_table` every block
+    (per-token geometry against the subspace, the null's per-token measures and its Gram matrices);
+    `spectra_table` and `bootstrap_table` once at the end."""
 
     def __init__(self, cfg: AnalysisConfig, classes: list[str], d: int, docs: np.ndarray,
                  null_spectra: bool = True) -> None:
@@ -56,30 +60,37 @@ class LayerGeometry:
         self.replicate_grams = {(c, w): ResampledGrams(self.jackknife, d) for c in classes for w in self.which}
         self.n_rows = 0
         self.subspaces: dict[str, Subspace] = {}
+        self.shape: np.ndarray | None = None  # [d, d]: Σ_Δfull = shape @ shape.T
         self.scalars: dict[str, list[dict[str, np.ndarray]]] = {c: [] for c in classes}
 
     def accumulate(self, data: LayerData, fits: dict[str, LayerFit]) -> None:
         seq = data.seq
         self.n_rows += len(seq)
-        directions = random_directions(data, self.cfg.seed)
         for fn_class, fit in fits.items():
             dec = decompose(data.x, data.y, fit.tx)
-            null = null_residual(dec, directions)
-            for which, v in zip(self.which, (dec.delta_full, dec.delta_tok, dec.residual,
-                                             null.delta_full, null.residual)):
+            for which, v in zip(WHICH, (dec.delta_full, dec.delta_tok, dec.residual)):
                 self.grams[(fn_class, which)] += v.T @ v
                 self.replicate_grams[(fn_class, which)].add(v, seq)
 
     def finish(self) -> None:
         self.subspaces = {c: subspace_from_gram(g, self.n_rows, self.cfg.energy_threshold)
                           for (c, w), g in self.grams.items() if w == "tok"}
+        first = next(c for c, w in self.grams if w == "full")  # Δ_full is the same for every class
+        self.shape = update_shape(self.grams[(first, "full")], self.n_rows)
 
     def token_table(self, data: LayerData, fits: dict[str, LayerFit], prov: Provenance) -> pa.Table:
+        if self.shape is None:
+            raise RuntimeError("token_table before finish: the null's shape is the whole layer's")
         parts = []
-        directions = random_directions(data, self.cfg.seed)
+        directions = shaped_directions(random_directions(data, self.cfg.seed), self.shape)
         for fn_class, fit in fits.items():
             sub = self.subspaces[fn_class]
             dec = decompose(data.x, data.y, fit.tx)
+            if "res_null" in self.which:
+                null = null_residual(dec, directions)
+                for which, v in (("full_null", null.delta_full), ("res_null", null.residual)):
+                    self.grams[(fn_class, which)] += v.T @ v
+                    self.replicate_grams[(fn_class, which)].add(v, data.seq)
             metrics = token_metrics(data.x, data.y, fit.tx, dec)
             metrics.update(projection_metrics(dec, sub, self.cfg.subspace_ms))
             metrics.update(null_metrics(dec, data.x, directions, sub, NULL_M))
