@@ -33,6 +33,9 @@ from updatelens.storage.location import as_root, is_local, url
 
 QUARANTINE = "_quarantine"
 MANIFEST = "manifest.json"
+# what a full verification found wrong with a partition, beside it: remembered until the partition is
+# written anew (a new manifest), so the views leave it out and `run` recomputes it without --repair
+DAMAGE_MARK = "damage.json"
 PART_FILE = "part-0.parquet"  # the one data file of a partition (storage.layout writes it)
 _CHUNK = 1 << 22
 
@@ -162,7 +165,17 @@ def read_manifest(file: str | Path) -> dict | None:
     return entry if isinstance(entry, dict) and entry.get("file") == as_root(file).name else None
 
 
-_verified: dict[tuple[str, int, int, tuple[int, int] | None], str | None] = {}
+_verified: dict[tuple[str, int, int, tuple[int, int] | None, tuple[int, int] | None], str | None] = {}
+
+
+def _stamp(path: UPath) -> tuple[int, int] | None:
+    """(size, mtime in ns) of a file beside a partition, None where there is none: part of the key under
+    which a partition's verification is remembered, so a new manifest or damage mark is seen."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return None
+    return int(info.st_size), int(getattr(info, "st_mtime_ns", 0) or 0)
 
 
 def layer_of(folder_name: str) -> int | None:
@@ -208,12 +221,8 @@ def partition_error(file: str | Path, full: bool = False) -> str | None:
         info = path.stat()
     except FileNotFoundError:
         return "missing"
-    try:
-        manifest_info = (path.parent / MANIFEST).stat()
-        manifest_stamp = (int(manifest_info.st_size), int(getattr(manifest_info, "st_mtime_ns", 0) or 0))
-    except FileNotFoundError:
-        manifest_stamp = None
-    key = (url(path), int(info.st_size), int(getattr(info, "st_mtime_ns", 0) or 0), manifest_stamp)
+    manifest_stamp, mark_stamp = _stamp(path.parent / MANIFEST), _stamp(path.parent / DAMAGE_MARK)
+    key = (url(path), int(info.st_size), int(getattr(info, "st_mtime_ns", 0) or 0), manifest_stamp, mark_stamp)
     if is_local(path) and key in _verified and not full:
         return _verified[key]
     entry = read_manifest(path)
@@ -227,9 +236,41 @@ def partition_error(file: str | Path, full: bool = False) -> str | None:
         meta, reason = _footer(path, entry.get("rows"))  # the footer read once, for both checks
         if reason is None and meta is not None:
             reason = identity_error(path, entry, meta)
+    if entry is not None and is_local(path):
+        if reason is not None and full:
+            _mark_damage(path, entry, reason)
+        elif reason is None:
+            reason = recorded_damage(path, entry)
     if is_local(path):
         _verified[key] = reason
     return reason
+
+
+def _mark_damage(path: UPath, entry: dict, reason: str) -> None:
+    """Record beside a local partition what a full verification found (atomically: a temporary file,
+    then a rename), tied to its manifest's checksum and write time."""
+    mark = {"file": path.name, "manifest_sha256": entry.get("sha256"), "manifest_written_at": entry.get("written_at"),
+            "reason": reason, "found_at": datetime.now(UTC).isoformat(timespec="seconds")}
+    target = Path(path.path).parent / DAMAGE_MARK
+    temporary = target.with_name(f".{DAMAGE_MARK}.{os.getpid()}")
+    temporary.write_text(json.dumps(mark, indent=1))
+    os.replace(temporary, target)
+
+
+def recorded_damage(file: str | Path, entry: dict | None = None) -> str | None:
+    """What a full verification recorded wrong with this partition, while its manifest is still the one
+    it checked (a partition written anew has another: the mark no longer applies); None otherwise."""
+    path = as_root(file)
+    try:
+        mark = json.loads((path.parent / DAMAGE_MARK).read_text())
+    except (FileNotFoundError, OSError, json.JSONDecodeError):
+        return None
+    entry = entry if entry is not None else read_manifest(path)
+    if (not isinstance(mark, dict) or entry is None or mark.get("file") != path.name
+            or mark.get("manifest_sha256") != entry.get("sha256")
+            or mark.get("manifest_written_at") != entry.get("written_at")):
+        return None
+    return f"{mark.get('reason')} (found by `updatelens verify` at {mark.get('found_at')})"
 
 
 def _key(value: str) -> str:
@@ -274,9 +315,12 @@ def quarantine(root: str | Path, file: str | Path, relative: str | None = None) 
     root, file = as_root(root), as_root(file)
     relative = relative or str(file).removeprefix(str(root)).lstrip("/")
     target = root / QUARANTINE / stamp / relative
-    manifest = file.parent / MANIFEST
-    # the manifest goes only with the file it lists: a stray file beside a good one leaves it in place
-    moves = [(file, target)] + ([(manifest, target.parent / MANIFEST)] if read_manifest(file) is not None else [])
+    manifest, mark = file.parent / MANIFEST, file.parent / DAMAGE_MARK
+    # the manifest goes only with the file it lists: a stray file beside a good one leaves it in place;
+    # so does the damage mark
+    listed = read_manifest(file) is not None
+    moves = [(file, target)] + ([(manifest, target.parent / MANIFEST)] if listed else []) + (
+        [(mark, target.parent / DAMAGE_MARK)] if listed and recorded_damage(file) is not None else [])
     for source, destination in moves:
         if is_local(root):
             Path(destination).parent.mkdir(parents=True, exist_ok=True)

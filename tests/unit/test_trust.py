@@ -454,3 +454,37 @@ def test_an_interrupted_command_says_so_in_one_line(tmp_path: Path, monkeypatch:
     assert len(err.splitlines()) == 1 and err.startswith("updatelens run: interrupted; every partition is written whole")
     assert cli.main(["verify", "--data-root", str(tmp_path)]) == 130
     assert capsys.readouterr().err.strip() == "updatelens verify: interrupted"
+
+
+def test_damage_that_verify_found_is_remembered_left_out_and_forgotten_once_the_partition_is_rewritten(
+        tmp_path: Path) -> None:
+    """A flipped byte whose file kept its mtime is seen only by `verify` (full checksums); once seen, the
+    root remembers it (a mark beside the partition, tied to its manifest): later queries leave the file
+    out and list it in damaged_partitions without --repair, until the partition is written anew;
+    quarantine takes the mark along."""
+    from updatelens.storage import integrity
+    from updatelens.storage.integrity import DAMAGE_MARK
+
+    two_layers(tmp_path)
+    file = partition_file(tmp_path, "activations", "m", 3)
+    data = bytearray(file.read_bytes())
+    data[10] ^= 0x10
+    entry = json.loads((file.parent / MANIFEST).read_text())
+    file.write_bytes(bytes(data))
+    os.utime(file, ns=(file.stat().st_atime_ns, entry["mtime_ns"]))  # damage that kept the mtime
+    integrity._verified.clear()
+    assert catalog.query(tmp_path, "SELECT count(DISTINCT layer) AS n FROM activations")["n"][0] == 2  # served
+    assert "SHA-256" in (partition_error(file, full=True) or "")  # what `updatelens verify` does
+    integrity._verified.clear()  # another process: nothing remembered in memory
+    assert "found by `updatelens verify`" in (partition_error(file) or "")
+    assert catalog.query(tmp_path, "SELECT DISTINCT layer FROM activations")["layer"].to_list() == [4]
+    listed = catalog.query(tmp_path, "SELECT table_name, layer, reason FROM damaged_partitions").to_dicts()
+    assert [(r["table_name"], r["layer"]) for r in listed] == [("activations", 3)] and "SHA-256" in listed[0]["reason"]
+    write_partition(tmp_path, "activations", "m", 3, rows(3))  # a run writes the partition anew
+    assert partition_error(file) is None
+    assert catalog.query(tmp_path, "SELECT count(DISTINCT layer) AS n FROM activations")["n"][0] == 2
+    # quarantine takes the mark with the file and its manifest
+    file.write_bytes(bytes(data))
+    assert partition_error(file, full=True) is not None and (file.parent / DAMAGE_MARK).exists()
+    moved = quarantine(tmp_path, file)
+    assert (moved.parent / DAMAGE_MARK).exists() and not file.parent.exists()
