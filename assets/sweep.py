@@ -14,6 +14,7 @@ import json
 import dagster as dg
 import polars as pl
 import pyarrow as pa
+from upath import UPath
 
 from updatelens.assets.common import (
     block_reader,
@@ -40,7 +41,7 @@ from updatelens.steps.functional_metrics import (
 from updatelens.steps.geometry import stream_geometry
 from updatelens.steps.layer import sample_docs
 from updatelens.steps.local_fits import layer_neighbours, stream_fits
-from updatelens.storage.layout import clear_sweeps, sweep_root, write_sweep_run
+from updatelens.storage.layout import next_sweep_root, promote_sweep, remove_next_sweep, sweep_root
 from updatelens.storage.location import url
 from updatelens.storage.store import Store
 from updatelens.sweep import (
@@ -82,7 +83,7 @@ class SweepConfig(dg.Config):
                 "(neighbour exclusion, k, rank, class by default), each stored under its config id in "
                 "`<data root>/sweeps/config=<id>/`; SQL views `sweep_findings` and `sensitivity`. Needs the "
                 "activations of the swept layers under the deployment's configuration. A rerun replaces the "
-                "model's sweep whole.",
+                "model's sweep whole, swapped in only when complete.",
 )
 def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource, config: SweepConfig) -> dg.MaterializeResult:
     model = context.partition_key
@@ -98,10 +99,15 @@ def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource
     # the sample: every swept layer's activations, verified and captured under this configuration
     heads = {layer: check_upstream(store, "activations", model, layer, cfg) for layer in layers}
     with store.lock(model):
-        clear_sweeps(store.root, model)
-        _sweep(context, lm, store, model, runs, layers, heads)
-        for run in runs:
-            write_sweep_run(store.root, model, run.config.config_id, run_record(model, run, base, layers))
+        # computed out of sight, then swapped in whole: a sweep that fails or is stopped leaves the
+        # previous one served (storage.layout.promote_sweep)
+        staged = next_sweep_root(store.root)
+        try:
+            _sweep(context, lm, store, staged, model, runs, layers, heads)
+            promote_sweep(store.root, staged, model,
+                          {run.config.config_id: run_record(model, run, base, layers) for run in runs})
+        finally:
+            remove_next_sweep(store.root, staged)
     store.refresh()
     sensitivity = store.query("SELECT finding, convention, setting, round(value, 3) AS value, verdict, "
                               "round(delta_ci_lo, 3) AS delta_lo, round(delta_ci_hi, 3) AS delta_hi, flips "
@@ -116,11 +122,12 @@ def convention_sweep(context: dg.AssetExecutionContext, lens: UpdateLensResource
     })
 
 
-def _sweep(context: dg.AssetExecutionContext, lm: LoadedModel, store: Store, model: str, runs: list[SweepRun],
-           layers: list[int], heads: dict[int, pa.Table]) -> None:
-    """Every configuration on every layer: fits and geometry layer by layer, then the patched passes of
-    every layer and configuration over shared blocks of sequences."""
-    families = {run.config.config_id: Store.open(sweep_root(store.root, run.config.config_id)) for run in runs}
+def _sweep(context: dg.AssetExecutionContext, lm: LoadedModel, store: Store, staged: UPath, model: str,
+           runs: list[SweepRun], layers: list[int], heads: dict[int, pa.Table]) -> None:
+    """Every configuration on every layer, each stored under `staged` (a root of sweep families out of
+    the catalog's sight): fits and geometry layer by layer, then the patched passes of every layer and
+    configuration over shared blocks of sequences."""
+    families = {run.config.config_id: Store.open(sweep_root(staged, run.config.config_id)) for run in runs}
     docs = {}
     for layer in layers:
         data = read_transition(store, model, layer)

@@ -19,6 +19,7 @@ file (`index.html`, self-contained) last.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -135,27 +136,35 @@ def staged_dir(root: PathLike, final: PathLike) -> Iterator[Path]:
     staging.mkdir(parents=True)
     try:
         yield Path(str(staging))
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if not final.exists():
-            os.rename(str(staging), str(final))
-            _fsync_dir(final.parent)
-            return
-        # judged where they stand: the run's staleness check has usually verified them already
-        damaged = {f.name: reason for f in Path(final).glob("*.parquet") if (reason := partition_error(f))}
-        if _exchange(staging, final):  # one atomic step: `staging` now holds the old folder
-            old = staging
-        else:  # two renames; a crash between them leaves `final` absent until clean_abandoned_staging
-            old = root / STAGING / f"{os.getpid()}-{uuid.uuid4().hex}.old"
-            (old.parent / f"{old.name}{TARGET_SUFFIX}").write_text(str(final))
-            os.rename(final, old)
-            os.rename(str(staging), str(final))
-        _fsync_dir(final.parent)
-        _keep_damaged(root, old, final, damaged)
-        shutil.rmtree(str(old), ignore_errors=True)
-        (old.parent / f"{old.name}{TARGET_SUFFIX}").unlink(missing_ok=True)
+        _install(root, staging, final)
     finally:
         if staging.exists():
             shutil.rmtree(str(staging), ignore_errors=True)
+
+
+def _install(root: UPath, staging: PathLike, final: PathLike) -> None:
+    """Make the local folder `staging` (on the root's file system) `final`, whole: readers of `final`
+    see the old folder or the new one. `staging` is left holding nothing of value (removed or emptied)."""
+    new, target = Path(str(staging)), Path(str(final))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists():
+        os.rename(new, target)
+        _fsync_dir(target.parent)
+        return
+    # judged where they stand: the run's staleness check has usually verified them already
+    damaged = {f.name: reason for f in target.glob("*.parquet") if (reason := partition_error(f))}
+    if _exchange(new, target):  # one atomic step: `staging` now holds the old folder
+        old = new
+    else:  # two renames; a crash between them leaves `final` absent until clean_abandoned_staging
+        old = Path(str(root / STAGING)) / f"{os.getpid()}-{uuid.uuid4().hex}.old"
+        old.parent.mkdir(parents=True, exist_ok=True)
+        (old.parent / f"{old.name}{TARGET_SUFFIX}").write_text(str(target))
+        os.rename(target, old)
+        os.rename(new, target)
+    _fsync_dir(target.parent)
+    _keep_damaged(root, as_root(old), as_root(target), damaged)
+    shutil.rmtree(old, ignore_errors=True)
+    (old.parent / f"{old.name}{TARGET_SUFFIX}").unlink(missing_ok=True)
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -289,14 +298,34 @@ def write_partition(root: str | Path, table_name: str, model: str, layer: int, t
 
 
 def clean_abandoned_staging(root: str | Path) -> list[str]:
-    """Remove staging dirs left by a crashed writer: locally those whose process is gone, on an
+    """Remove what a crashed writer left anywhere under the root: the staging dirs of the main tables
+    and of every family root (each sweep configuration, each convergence size), and sweeps computed
+    out of sight whose process is gone (`next_sweep_root`); locally those whose process is gone, on an
     object store those older than STALE_STAGING_S. Returns their names."""
     root = as_root(root)
-    removed = []
+    if not is_local(root):
+        root.fs.invalidate_cache()
+    families = [root, *sorted(root.glob(f"{SWEEPS}/config=*"), key=str),
+                *sorted(root.glob(f"{CONVERGENCE}/n_seq=*"), key=str)]
+    removed = [name for family in families for name in _clean_staging(family)]
+    for staged in sorted(root.glob(f"{SWEEPS}/{NEXT_SWEEP}/*"), key=str):
+        pid = staged.name.split("-", 1)[0]
+        alive = _alive(int(pid)) if pid.isdigit() and is_local(root) else not is_local(root)
+        if not alive:  # a sweep in progress on an object store is not told from an abandoned one: kept
+            remove_next_sweep(root, staged)
+            removed.append(f"{SWEEPS}/{NEXT_SWEEP}/{staged.name}")
+    return removed
+
+
+def _clean_staging(root: str | Path) -> list[str]:
+    """The abandoned staging dirs of one root (the main tables' or a family's)."""
+    root = as_root(root)
+    removed: list[str] = []
     if not is_local(root):
         fs = root.fs
         staging = root / STAGING
-        fs.invalidate_cache()
+        if not fs.exists(staging.path):
+            return removed
         newest: dict[str, float] = {}
         for key, info in fs.find(staging.path, detail=True).items():
             name = key[len(staging.path) + 1:].split("/", 1)[0]
@@ -456,6 +485,64 @@ def write_sweep_run(root: str | Path, model: str, config_id: str, record: pa.Tab
     final = sweep_runs_dir(root, model) / f"config={config_id}"
     publish_dir(root, final, lambda staging: _write_parquet(record, staging / SWEEP_RUN_FILE, "sweep_runs"))
     return final / SWEEP_RUN_FILE
+
+
+# `<root>/sweeps/_next/<pid>-<uuid>/sweeps/config=<id>/...`: a sweep being computed (a root of its own,
+# laid out as the root's sweeps), seen by no view
+NEXT_SWEEP = "_next"
+
+
+def next_sweep_root(root: str | Path) -> UPath:
+    """Where a sweep in progress writes its configurations' tables (a root whose sweeps are the new
+    sweep: `sweep_root(next_sweep_root(root), config_id)` per configuration), out of the catalog's sight until
+    `promote_sweep`; the pid tells an abandoned one (its process is gone) from a live one."""
+    return as_root(root) / SWEEPS / NEXT_SWEEP / f"{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def promote_sweep(root: str | Path, staged: UPath, model: str,
+                  records: dict[str, pa.Table]) -> None:
+    """Replace a model's sweep with the complete one computed under `staged` (`next_sweep_root`), whose
+    run records are `records` (config id -> record). Each partition moves into place whole (the old
+    one or the new one, never a half-written file), then the new records are written, then the
+    configurations the new sweep does not have lose their records, then their partitions: a process
+    stopped on the way leaves the previous sweep's records listing complete partitions (of the
+    previous sweep or, for a configuration both have, of the new one), never a partial one. On an
+    object store (no renames) the previous sweep is cleared first and the new one copied in."""
+    root = as_root(root)
+    installed: set[str] = set()
+    if not is_local(root):
+        clear_sweeps(root, model)
+        for key in _find(staged / SWEEPS):
+            relative = key[len((staged / SWEEPS).path):].lstrip("/")
+            if relative.startswith("config=") and f"/model={model}/" in f"/{relative}":
+                root.fs.copy(key, (root / SWEEPS / relative).path)
+    else:
+        for partition in sorted((staged / SWEEPS).glob(f"config=*/*/model={model}/layer=*"), key=str):
+            relative = str(partition).removeprefix(str(staged / SWEEPS)).lstrip("/")
+            _install(root, partition, root / SWEEPS / relative)
+            installed.add(relative)
+    for config_id, record in records.items():
+        write_sweep_run(root, model, config_id, record)
+    runs = sweep_runs_dir(root, model)
+    dropped = [d for d in sorted(runs.glob("config=*"), key=str) if d.name.split("=", 1)[1] not in records]
+    for directory in dropped:
+        _remove_dir(root, directory)
+    # what the new sweep does not have: the dropped configurations' partitions, and the layers and
+    # tables of a configuration both sweeps have that the new one left out
+    for partition in sorted((root / SWEEPS).glob(f"config=*/*/model={model}/layer=*"), key=str):
+        if is_local(root) and str(partition).removeprefix(str(root / SWEEPS)).lstrip("/") not in installed:
+            _remove_dir(root, partition)
+            with contextlib.suppress(OSError):
+                os.rmdir(str(partition.parent))  # the model's folder, once empty
+
+
+def remove_next_sweep(root: str | Path, staged: UPath) -> None:
+    """Remove a sweep's staged tables (after its promotion, or its failure)."""
+    root = as_root(root)
+    _remove_dir(root, staged)
+    if is_local(root):
+        with contextlib.suppress(OSError):
+            os.rmdir(str(staged.parent))  # `_next`, when no other sweep is in progress
 
 
 def clear_sweeps(root: str | Path, model: str) -> int:

@@ -384,25 +384,30 @@ def test_convention_sweep_is_stored_side_by_side_and_replaced_whole(run) -> None
     assert set(catalog.query(lens.root, "SELECT DISTINCT layer FROM sweep_geometry")["layer"]) == {1}
 
 
-def test_a_sweep_cut_short_shows_none_of_its_tables(run, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sweep stores each configuration's fits and geometry before its patched passes, and lists its
-    configurations last: a sweep that fails between the two leaves its tables out of every sweep view."""
+def test_a_sweep_rerun_cut_short_leaves_the_previous_sweep_served(run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep is computed out of sight (sweeps/_next/...) and swapped in whole: a rerun that fails
+    after storing its fits and geometry leaves the previous sweep's tables and records served, none of
+    its own, and nothing of it under the root."""
     import updatelens.assets.sweep as sweep_asset
     from updatelens.orchestration.runner import materialize_sweep
+
+    lens, instance = run
+    assert materialize_sweep("tiny-gpt2", lens, instance, {"grid": '{"k": [6]}', "layers": [1]}).success
+    before = catalog.query(lens.root, "SELECT * FROM sensitivity WHERE model = 'tiny-gpt2' ORDER BY ALL")
+    configs = catalog.query(lens.root, "SELECT DISTINCT config_id FROM sweep_geometry WHERE model = 'tiny-gpt2'")
+    stored_before = sorted(str(p) for p in (lens.root / "sweeps").glob("config=*/*/model=tiny-gpt2/layer=*"))
+    assert len(before) and len(configs) == 2  # the baseline and k=6
 
     def planted(*args, **kwargs):
         raise RuntimeError("planted: the patched passes fail")
 
-    lens, instance = run
     monkeypatch.setattr(sweep_asset, "stream_functional", planted)
-    result = materialize_sweep("tiny-gpt2", lens, instance, {"grid": '{"k": [6]}', "layers": [1]}, raise_on_error=False)
+    result = materialize_sweep("tiny-gpt2", lens, instance, {"grid": '{"k": [5]}', "layers": [1]}, raise_on_error=False)
     assert not result.success
-    stored = [p for p in (lens.root / "sweeps").glob("config=*/geometry/model=tiny-gpt2/layer=1")]
-    assert stored  # the fits and geometry of the configurations were written...
-    views = catalog.query(lens.root, "SELECT view_name FROM duckdb_views() WHERE NOT internal")["view_name"].to_list()
-    for view in (v for v in views if v.startswith("sweep_")):  # ...and no sweep view shows them
-        shown = catalog.query(lens.root, f"SELECT count(*) AS n FROM {view} WHERE model = 'tiny-gpt2'")["n"][0]
-        assert shown == 0, view
+    after = catalog.query(lens.root, "SELECT * FROM sensitivity WHERE model = 'tiny-gpt2' ORDER BY ALL")
+    assert after.equals(before)  # the previous sweep, whole
+    assert sorted(str(p) for p in (lens.root / "sweeps").glob("config=*/*/model=tiny-gpt2/layer=*")) == stored_before
+    assert not list((lens.root / "sweeps").glob("_next/*"))  # its staged tables went with it
 
 
 def test_updatelens_report_regenerates_without_recomputing(run, monkeypatch, tmp_path: Path, capsys) -> None:

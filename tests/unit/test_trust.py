@@ -488,3 +488,27 @@ def test_damage_that_verify_found_is_remembered_left_out_and_forgotten_once_the_
     assert partition_error(file, full=True) is not None and (file.parent / DAMAGE_MARK).exists()
     moved = quarantine(tmp_path, file)
     assert (moved.parent / DAMAGE_MARK).exists() and not file.parent.exists()
+
+
+def test_staging_left_by_a_killed_process_is_cleaned_everywhere_under_the_root(tmp_path: Path) -> None:
+    """The main tables' staging, every sweep configuration's and convergence size's, and a sweep computed
+    out of sight (sweeps/_next/...): what a dead process left goes, a live process's stays."""
+    from updatelens.storage.layout import clean_abandoned_staging
+
+    dead = 2**22 + 12345  # above the default pid_max: no such process
+    while True:
+        try:
+            os.kill(dead, 0)
+            dead += 1
+        except ProcessLookupError:
+            break
+    left = [tmp_path / "_staging" / f"{dead}-a", tmp_path / "sweeps" / "config=abc" / "_staging" / f"{dead}-b",
+            tmp_path / "convergence" / "n_seq=4" / "_staging" / f"{dead}-c", tmp_path / "sweeps" / "_next" / f"{dead}-d"]
+    live = [tmp_path / "sweeps" / "config=abc" / "_staging" / f"{os.getpid()}-e",
+            tmp_path / "sweeps" / "_next" / f"{os.getpid()}-f"]
+    for folder in left + live:
+        (folder / "geometry").mkdir(parents=True)
+        (folder / "geometry" / "part-0.parquet").write_bytes(b"half")
+    removed = clean_abandoned_staging(tmp_path)
+    assert len(removed) == len(left) and not any(f.exists() for f in left)
+    assert all(f.exists() for f in live)
