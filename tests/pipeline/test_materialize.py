@@ -346,22 +346,22 @@ def test_convention_sweep_is_stored_side_by_side_and_replaced_whole(run) -> None
     from updatelens.orchestration.runner import materialize_reports, materialize_sweep
     from updatelens.storage.layout import sweep_root
 
-    lens, instance = run
+    lens, instance = run  # the session's root may hold other models' sweeps (the queries name tiny-llama)
     grid = '{"k": [6], "exclusion": ["self"], "classes": [["diagonal", "lowrank"]]}'
     result = materialize_sweep("tiny-llama", lens, instance, {"grid": grid, "layers": [0, 2]})
     assert result.success
     base = AnalysisConfig.from_dict({**AnalysisConfig().to_dict(), **SETTINGS}).replace(controls=())
     expected = {base.config_id, base.replace(k=6).config_id, base.replace(exclusion="self").config_id,
                 base.replace(classes=("diagonal", "lowrank")).config_id}
-    runs = catalog.query(lens.root, "SELECT config_id, convention, setting, layers FROM sweep_runs")
+    runs = catalog.query(lens.root, "SELECT config_id, convention, setting, layers FROM sweep_runs WHERE model = 'tiny-llama'")
     assert set(runs["config_id"]) == expected and set(runs["layers"]) == {"0,2"}
     for config_id in expected:
         assert (sweep_root(lens.root, config_id) / "geometry" / "model=tiny-llama" / "layer=2").exists()
     per_config = catalog.query(lens.root, "SELECT config_id, count(DISTINCT layer) AS n, min(k) AS k "
-                                          "FROM sweep_layer_summary GROUP BY config_id")
+                                          "FROM sweep_layer_summary WHERE model = 'tiny-llama' GROUP BY config_id")
     assert set(per_config["n"]) == {2}
     assert dict(zip(per_config["config_id"], per_config["k"]))[base.replace(k=6).config_id] == 6
-    sens = catalog.query(lens.root, "SELECT * FROM sensitivity")
+    sens = catalog.query(lens.root, "SELECT * FROM sensitivity WHERE model = 'tiny-llama'")
     conventions = set(zip(sens["convention"], sens["setting"]))
     assert {("baseline", "default"), ("k", "6"), ("exclusion", "self"), ("alignment form", "map: cos(y, T(x))"),
             ("class", "mlp")} <= conventions
@@ -379,9 +379,9 @@ def test_convention_sweep_is_stored_side_by_side_and_replaced_whole(run) -> None
     assert "Sensitivity to the conventions" in (reports_root(lens.root) / "tiny-llama" / "index.html").read_text()
     # a rerun with another grid replaces the model's sweep whole
     assert materialize_sweep("tiny-llama", lens, instance, {"grid": '{"rank": [1]}', "layers": [1]}).success
-    runs = catalog.query(lens.root, "SELECT config_id, layers FROM sweep_runs")
+    runs = catalog.query(lens.root, "SELECT config_id, layers FROM sweep_runs WHERE model = 'tiny-llama'")
     assert set(runs["config_id"]) == {base.config_id, base.replace(rank=1).config_id}
-    assert set(catalog.query(lens.root, "SELECT DISTINCT layer FROM sweep_geometry")["layer"]) == {1}
+    assert set(catalog.query(lens.root, "SELECT DISTINCT layer FROM sweep_geometry WHERE model = 'tiny-llama'")["layer"]) == {1}
 
 
 def test_a_sweep_rerun_cut_short_leaves_the_previous_sweep_served(run, monkeypatch: pytest.MonkeyPatch) -> None:
