@@ -87,14 +87,13 @@ def null_residual(dec: Decomposition, directions: np.ndarray) -> Decomposition:
     return Decomposition(delta_full=dec.delta_tok + r0, delta_tok=dec.delta_tok, residual=r0)
 
 
-def null_metrics(dec: Decomposition, x: np.ndarray, directions: np.ndarray, sub: Subspace | None,
+def null_metrics(dec: Decomposition, null: Decomposition, x: np.ndarray, sub: Subspace | None,
                  m: int) -> dict[str, np.ndarray]:
     """Per token, the findings' geometric measures where the claimed structure is absent: on the
-    random-direction residual of the same length (`null_residual`), the cosine of the full and
+    random-direction residual of the same length (`null`, made by `null_residual`), the cosine of the full and
     tokenwise updates, the residual's angles against Δ_full and Δ_tok, and its projection energy on
     the top-m tokenwise directions (`sub`, when given); for the map form, the identity map (no
     tokenwise update: cos(y, x)), since the residual stream alone already aligns y with x."""
-    null = null_residual(dec, directions)
     x64 = np.asarray(x, np.float64)
     out = {
         "cos_full_tok_null": cosine(null.delta_full, null.delta_tok),

@@ -59,8 +59,7 @@ RULES: tuple[Rule, ...] = (
     Rule(None, ((("threshold_outcome", (None,)),),)),
     Rule("holds", ((("threshold_outcome", ("clears",)), ("null_outcome", ("beyond",))),)),
     Rule("estimator-limited", (
-        (("threshold_outcome", NOT_CLEARS), ("control_role", ("positive",)),
-         ("control_threshold_outcome", ("misses", "straddles"))),
+        (("threshold_outcome", NOT_CLEARS), ("control_role", ("positive",)), ("control_threshold_outcome", NOT_CLEARS)),
         (("threshold_outcome", NOT_CLEARS), ("control_role", ("positive", "floor")), ("control_outcome", ("same",))),
     )),
     Rule("no control", ((("threshold_outcome", NOT_CLEARS), ("control_role", ("positive", "floor")),

@@ -96,7 +96,7 @@ def test_the_null_residual_keeps_its_length_and_measures_like_noise() -> None:
         null = null_residual(dec, u)
         assert np.allclose(np.linalg.norm(null.residual, axis=1), np.linalg.norm(dec.residual, axis=1))
         real = token_metrics(x, tx + residual, tx, dec)
-        nulls = null_metrics(dec, x, u, dominant_subspace(dec.delta_tok), 16)
+        nulls = null_metrics(dec, null, x, dominant_subspace(dec.delta_tok), 16)
         gap = np.median(real["cos_full_tok"]) - np.median(nulls["cos_full_tok_null"])
         y = tx + residual  # the map form's null is the identity map: cos(y, x)
         identity = (y * x).sum(axis=1) / np.linalg.norm(y, axis=1) / np.linalg.norm(x, axis=1)

@@ -86,14 +86,14 @@ class LayerGeometry:
         for fn_class, fit in fits.items():
             sub = self.subspaces[fn_class]
             dec = decompose(data.x, data.y, fit.tx)
+            null = null_residual(dec, directions)
             if "res_null" in self.which:
-                null = null_residual(dec, directions)
                 for which, v in (("full_null", null.delta_full), ("res_null", null.residual)):
                     self.grams[(fn_class, which)] += v.T @ v
                     self.replicate_grams[(fn_class, which)].add(v, data.seq)
             metrics = token_metrics(data.x, data.y, fit.tx, dec)
             metrics.update(projection_metrics(dec, sub, self.cfg.subspace_ms))
-            metrics.update(null_metrics(dec, data.x, directions, sub, NULL_M))
+            metrics.update(null_metrics(dec, null, data.x, sub, NULL_M))
             n = len(fit.tx)
             cols: dict[str, pa.Array] = {
                 "fn_class": pa.array([fn_class] * n),
