@@ -544,9 +544,9 @@ ORDER BY model, finding, convention, setting
 def context_split_summary_sql() -> str:
     """Per (model, layer, configuration): the exact split's medians over the kept tokens with their 95 %
     bootstrap intervals over documents (the 2.5 % and 97.5 % quantiles of the resamples' medians)."""
-    points = ", ".join(f"median({column}) AS {name}" for name, column in SPLIT_STATISTICS)
+    points = ", ".join(f"{aggregate_sql(column, how)} AS {name}" for name, column, how in SPLIT_STATISTICS)
     bands = ", ".join(f"quantile_cont({name}, 0.025) AS {name}_lo, quantile_cont({name}, 0.975) AS {name}_hi"
-                      for name, _ in SPLIT_STATISTICS)
+                      for name, _, _ in SPLIT_STATISTICS)
     return f"""
 CREATE OR REPLACE VIEW context_split_summary AS
 WITH point AS (

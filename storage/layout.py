@@ -527,10 +527,12 @@ def promote_sweep(root: str | Path, staged: UPath, model: str,
     dropped = [d for d in sorted(runs.glob("config=*"), key=str) if d.name.split("=", 1)[1] not in records]
     for directory in dropped:
         _remove_dir(root, directory)
+    if not is_local(root):
+        return  # the previous sweep was cleared before the copy
     # what the new sweep does not have: the dropped configurations' partitions, and the layers and
     # tables of a configuration both sweeps have that the new one left out
     for partition in sorted((root / SWEEPS).glob(f"config=*/*/model={model}/layer=*"), key=str):
-        if is_local(root) and str(partition).removeprefix(str(root / SWEEPS)).lstrip("/") not in installed:
+        if str(partition).removeprefix(str(root / SWEEPS)).lstrip("/") not in installed:
             _remove_dir(root, partition)
             with contextlib.suppress(OSError):
                 os.rmdir(str(partition.parent))  # the model's folder, once empty

@@ -19,7 +19,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from updatelens.findings import ANGLE_GT, GEOMETRY_STATISTIC_DEFS, GEOMETRY_STATISTICS
+from updatelens.findings import ANGLE_GT, GEOMETRY_STATISTIC_DEFS
 from updatelens.threads import per_core_map
 
 
@@ -149,12 +149,14 @@ def replicate_grams(v: np.ndarray, seq: np.ndarray, counts: np.ndarray, block: i
     return out
 
 
-def geometry_replicates(seq: np.ndarray, metrics: dict[str, np.ndarray], counts: np.ndarray) -> dict[str, np.ndarray]:
-    """The per-layer geometry statistics of the findings (GEOMETRY_STATISTIC_DEFS) on every resample:
-    {statistic: [n_resamples]}; a statistic whose column `metrics` lacks is NaN."""
-    out: dict[str, list[np.ndarray]] = {name: [] for name in GEOMETRY_STATISTICS}
+def geometry_replicates(seq: np.ndarray, metrics: dict[str, np.ndarray], counts: np.ndarray,
+                        statistics: tuple[tuple[str, str, str], ...] = GEOMETRY_STATISTIC_DEFS) -> dict[str, np.ndarray]:
+    """Per-layer statistics declared as (statistic, per-token column, aggregate) on every resample:
+    {statistic: [n_resamples]}; a statistic whose column `metrics` lacks is NaN. By default the findings'
+    geometry statistics (GEOMETRY_STATISTIC_DEFS); the exact split's are SPLIT_STATISTICS."""
+    out: dict[str, list[np.ndarray]] = {name: [] for name, _, _ in statistics}
     for _, w in row_weights(counts, seq):
-        for name, column, how in GEOMETRY_STATISTIC_DEFS:
+        for name, column, how in statistics:
             if column not in metrics:
                 out[name].append(np.full(len(w), np.nan))
             elif how == "median":

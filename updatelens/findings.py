@@ -67,14 +67,14 @@ def aggregate_sql(column: str, how: str) -> str:
 TOKEN_STATISTICS: tuple[str, ...] = tuple(dict.fromkeys(column for _, column, _ in GEOMETRY_STATISTIC_DEFS))
 
 
-# The exact split's per-layer statistics (updatelens.steps.context_split): (statistic, per-token column of
-# `context_split`), each the median over the layer's kept tokens, on every bootstrap resample too.
-SPLIT_STATISTICS: tuple[tuple[str, str], ...] = (
-    ("ctl_ratio_median", "ctl_ratio"),
-    ("ctx_ratio_median", "ctx_ratio"),
-    ("cos_full_ctl_median", "cos_full_ctl"),
-    ("cos_ctx_full_median", "cos_ctx_full"),
-    ("cos_ctx_ctl_median", "cos_ctx_ctl"),
+# The exact split's per-layer statistics (updatelens.steps.context_split), declared as the geometry's are:
+# (statistic, per-token column of `context_split`, aggregate), on every bootstrap resample too.
+SPLIT_STATISTICS: tuple[tuple[str, str, str], ...] = (
+    ("ctl_ratio_median", "ctl_ratio", "median"),
+    ("ctx_ratio_median", "ctx_ratio", "median"),
+    ("cos_full_ctl_median", "cos_full_ctl", "median"),
+    ("cos_ctx_full_median", "cos_ctx_full", "median"),
+    ("cos_ctx_ctl_median", "cos_ctx_ctl", "median"),
 )
 
 

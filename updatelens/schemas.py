@@ -193,7 +193,7 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                 _c("cos_ctx_ctl", F64, "cos(a, Δ_ctl)")]
     elif table == "context_split_bootstrap":
         body = [_c("replicate", I32, "bootstrap resample over documents (0 .. bootstrap-1)"),
-                *(_c(name, F64, f"median of {column} on the resample") for name, column in SPLIT_STATISTICS)]
+                *(_c(name, F64, f"{how} of {column} on the resample") for name, column, how in SPLIT_STATISTICS)]
     elif table == "calibration":
         body = [_c("n_tokens", I32, "kept tokens of the sample size (the first n_seq windows)"),
                 _c("n_seq", I32, "windows of the sample size"), FN_CLASS,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from updatelens.bootstrap import row_weights, weighted_median
+from updatelens.bootstrap import geometry_replicates
 from updatelens.config import AnalysisConfig
 from updatelens.findings import SPLIT_STATISTICS
 from updatelens.geometry import EPS, cosine
@@ -45,12 +45,7 @@ def context_split_tables(data: LayerData, y_ctl: np.ndarray, cfg: AnalysisConfig
     columns: dict[str, pa.Array] = {"seq": pa.array(data.seq, pa.int32()), "pos": pa.array(data.pos, pa.int32())}
     columns.update({name: pa.array(metrics[name], pa.float64()) for name in TOKEN_COLUMNS})
     tokens = with_provenance(columns, prov, data.layer)
-    counts = resample_counts(cfg, sample_docs(data))
-    replicates: dict[str, list[np.ndarray]] = {name: [] for name, _ in SPLIT_STATISTICS}
-    for _, weights in row_weights(counts, data.seq):
-        for name, column in SPLIT_STATISTICS:
-            replicates[name].append(weighted_median(metrics[column], weights))
+    replicates = geometry_replicates(data.seq, metrics, resample_counts(cfg, sample_docs(data)), SPLIT_STATISTICS)
     resampled = {"replicate": pa.array(np.arange(cfg.bootstrap), pa.int32())}
-    resampled.update({name: pa.array(np.concatenate(parts) if parts else np.zeros(0), pa.float64())
-                      for name, parts in replicates.items()})
+    resampled.update({name: pa.array(values, pa.float64()) for name, values in replicates.items()})
     return tokens, with_provenance(resampled, prov, data.layer)
