@@ -14,7 +14,7 @@ from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.config import LOCAL_CLASSES
-from updatelens.steps.controls import control_layer_tables, made_controls
+from updatelens.steps.controls import control_layer_tables, made_controls, made_targets
 from updatelens.steps.layer import layer_data
 from updatelens.tables import Provenance, to_matrix
 
@@ -56,8 +56,9 @@ def controls(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
                 ["fn_class", "seq", "pos", "neighbours"]), (data.seq, data.pos))
             made = control_layer_tables(data, y_ctl, neighbours, cfg, prov, log=functools.partial(log_for, context, model))
             stored = {name: written.add(store.partition(name, model, layer), table) for name, table in made.items()}
-            expected = made_controls(cfg.positive_controls, y_ctl is not None)
-            written.note(model, layer, positive_controls=",".join(expected) or "none")
+            expected = made_targets(cfg.positive_controls, y_ctl is not None)
+            written.note(model, layer, positive_controls=",".join(made_controls(cfg.positive_controls, y_ctl is not None))
+                         or "none")
             verdict = checks.check_controls(stored["control_geometry"], stored["control_spectra"], len(data.x),
                                             cfg.classes, expected)
             verdict.merge(checks.check_context_split(stored["context_split"], data, y_ctl is not None), "split: ")

@@ -203,7 +203,12 @@ b AS (
 ), f AS (
 {findings}
 )
-SELECT * FROM f
+-- a null measured by fitting (Finding.null_target): the same finding on the controls stage's null target,
+-- replicate by replicate (the same resamples of the same documents)
+SELECT f.* REPLACE (CASE WHEN f.null_target <> '' THEN n.value ELSE f.null_value END AS null_value)
+FROM f LEFT JOIN ({controls}) n
+     ON n.control = f.null_target AND n.model = f.model AND n.config_id = f.config_id AND n.fn_class = f.fn_class
+        AND n.finding = f.finding AND n.replicate = f.replicate
 """
 
 # Each finding against its threshold, its null and its positive controls (docs/method.md, "Verdicts"):
@@ -653,7 +658,8 @@ def _finding_select(f: Finding) -> str:
                  f"{_sql_string(f.measure)} AS measure, {_sql_string(f.threshold)} AS threshold, "
                  f"{_sql_string(f.op)} AS op, CAST({f.bound!r} AS DOUBLE) AS bound, "
                  f"{_sql_string(f.source)} AS threshold_source, {_sql_string(f.null_source)} AS null_source, "
-                 f"{_sql_string(f.control_role)} AS control_role, {_sql_string(f.interval)} AS interval")
+                 f"{_sql_string(f.control_role)} AS control_role, {_sql_string(f.interval)} AS interval, "
+                 f"{_sql_string(f.null_target)} AS null_target")
     covered = f"({f.coverage})"
     note = (f"CASE WHEN NOT {covered} THEN {_sql_string(f.coverage_note)} || ' (layers analysed: ' || "
             f"array_to_string(list_sort(list(DISTINCT layer)), ',') || ' of ' || any_value(n_layers) || ')' END")
@@ -697,7 +703,8 @@ def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str 
                                                  replicates=f"{prefix}layer_replicates"))
         stats += f" UNION ALL BY NAME SELECT * FROM {prefix}layer_replicates"
     return [*statements,
-            FINDING_REPLICATES_SQL.format(name=f"{prefix}finding_replicates", stats=stats, findings=findings_select()),
+            FINDING_REPLICATES_SQL.format(name=f"{prefix}finding_replicates", stats=stats, findings=findings_select(),
+                                          controls=controls),
             FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", replicates=f"{prefix}finding_replicates",
                                          controls=controls, jackknife_first=JACKKNIFE_FIRST,
                                          jk_value=jackknife_half_width("value"),

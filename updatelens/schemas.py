@@ -92,9 +92,11 @@ def _bootstrap_geometry() -> list[Column]:
     return out
 
 
-CONTROL = _c("control", STR, "the positive control: the real target y replaced by one that is tokenwise by "
+CONTROL = _c("control", STR, "the target that replaced the real y: a positive control, tokenwise by "
                             "construction (self_first: block l with each token attending to itself and the "
-                            "window's first position; linear: x + xB fitted without the token's document)")
+                            "window's first position; linear: x + xB fitted without the token's document), or "
+                            "the null target (unrelated: x + the update of a token of another document, "
+                            "findings 1's null)")
 CONTROL_PREFIX = "control_"  # the positive controls' tables: the geometry stage's, with a `control` column
 
 

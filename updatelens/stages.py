@@ -50,7 +50,9 @@ STAGES: tuple[Stage, ...] = (
           "Positive controls: the same classes, fitted on the same neighbours, to targets that are tokenwise "
           "by construction (block l with each token attending to itself and the window's first position; a "
           "linear map fitted without the token's document), measured like the real layer: the geometry tables "
-          "with a `control` column. What the estimator shows when the paper's structure is there. Tables "
+          "with a `control` column. What the estimator shows when the paper's structure is there; and the null "
+          "target `unrelated` (each x paired with another document's update): what it shows when nothing "
+          "tokenwise is there, finding 1's null. Tables "
           "`context_split` and `context_split_bootstrap`: the exact split y = y_ctl + a of every update by the "
           "self-and-first block.", ("activations", "local_fits"), may_be_empty=True),
     Stage("functional_metrics", "analysis", ("functional_metrics", "functional_summary", "functional_bootstrap"),

@@ -321,14 +321,15 @@ def test_a_control_lost_or_out_of_range_fails_the_controls_check(zoo: Path, tmp_
     result, _ = run(zoo, tmp_path)
     evaluation = evaluations(result)["controls_valid"]
     assert not evaluation.passed
-    assert "controls stored ['linear'], expected ['linear', 'self_first']" in evaluation.description
+    assert ("controls stored ['linear', 'unrelated'], expected ['linear', 'self_first', 'unrelated']"
+            in evaluation.description), evaluation.description
     assert "linear: " in evaluation.description and "out_of_range" in evaluation.description, evaluation.description
 
 
 def test_without_positive_controls_the_empty_control_partitions_verify_and_the_report_builds(
         zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """positive_controls=[]: the controls stage stores empty partitions on purpose; they verify (their
-    manifest says 0 rows), the layer is complete, and the report builds without control columns."""
+    """positive_controls=[]: the controls stage stores only the null target's rows (findings 1's fitted
+    null) and no exact split; the partitions verify, the layer is complete, and the report builds."""
     from updatelens.reports.build import build_model_report
     from updatelens.stages import TABLES
     from updatelens.storage.integrity import incomplete_layers, partition_error

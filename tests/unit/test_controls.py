@@ -150,15 +150,24 @@ def test_the_linear_control_never_sees_the_tokens_document() -> None:
 def write_control(root: Path, control: str, shift: dict[str, float] | None = None) -> None:
     """A positive control whose tables are the real layer's (the target is the control itself), with
     `shift` added to the named bootstrap statistics."""
+    write_controls(root, {control: shift})
+
+
+def write_controls(root: Path, controls: dict[str, dict[str, float] | None]) -> None:
+    """Controls (name -> shift) whose tables are the real layer's, each with its shift added to the
+    named statistics, stored together as the controls stage stores them."""
     for table in ("geometry", "spectra", "geometry_bootstrap"):
         for layer in range(LAYERS):
             real = catalog.query(root, f"SELECT * FROM {table} WHERE layer = $1", [layer]).to_arrow()
-            for name, delta in (shift or {}).items():
-                if name in real.column_names:
-                    column = real[name].to_numpy() + delta
-                    real = real.set_column(real.schema.get_field_index(name), name, pa.array(column, from_pandas=True))
-            write_partition(root, f"control_{table}", "m", layer,
-                            real.add_column(1, "control", pa.array([control] * len(real))))
+            parts = []
+            for control, shift in controls.items():
+                part = real
+                for name, delta in (shift or {}).items():
+                    if name in part.column_names:
+                        column = part[name].to_numpy() + delta
+                        part = part.set_column(part.schema.get_field_index(name), name, pa.array(column, from_pandas=True))
+                parts.append(part.add_column(1, "control", pa.array([control] * len(part))))
+            write_partition(root, f"control_{table}", "m", layer, pa.concat_tables(parts))
 
 
 def test_a_layer_whose_target_is_the_tokenwise_control_is_never_fails(tmp_path: Path) -> None:
@@ -274,3 +283,86 @@ def test_the_split_check_fails_on_rows_paired_with_other_tokens(tiny_models: dic
     failures = check_context_split(broken, data, True).failures
     assert any("does not add up" in f for f in failures), failures
     assert not check_context_split(split, data, False).passed  # rows where no split was captured
+
+
+def test_the_unrelated_target_pairs_every_token_with_another_documents_update() -> None:
+    from updatelens.steps.controls import unrelated_partners, unrelated_target
+
+    doc = np.repeat([3, 0, 7, 1], [5, 9, 4, 8])  # uneven documents, not sorted
+    partners = unrelated_partners(doc, seed=0)
+    assert sorted(partners) == list(range(len(doc)))  # a bijection: every update used once
+    assert not np.any(doc[partners] == doc)  # never the token's own document
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(len(doc), 4)), rng.normal(size=(len(doc), 4))
+    np.testing.assert_allclose(unrelated_target(x, y, doc, 0) - x, (y - x)[partners], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="more than half of the kept tokens"):
+        unrelated_partners(np.repeat([0, 1], [10, 9]), seed=0)
+
+
+def _fitted_medians(tokenwise: bool, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Median cos(Δ_full, Δ_tok) on every bootstrap resample of a planted anisotropic layer (d = 8,
+    16 documents): the lowrank fits on the real target, and on the controls stage's unrelated null target.
+    `tokenwise`: the update is a smooth function of x (the claim true by construction); otherwise each
+    update is drawn as the same function of another, unseen state (the same distribution, no relation to x)."""
+    from updatelens.config import AnalysisConfig
+    from updatelens.steps.controls import control_layer_tables
+    from updatelens.steps.geometry import geometry_tables
+    from updatelens.steps.layer import LayerData
+    from updatelens.steps.local_fits import compute_fits
+    from updatelens.tables import Provenance
+
+    rng = np.random.default_rng(seed)
+    n_seq, seq_len, d = 16, 33, 8
+    mix = rng.normal(size=(d, d)) * np.linspace(2.0, 0.2, d)[:, None]  # an anisotropic stream
+
+    def update(states: np.ndarray) -> np.ndarray:
+        return np.tanh(states @ w) @ v + offset
+
+    w, v, offset = rng.normal(size=(d, d)) * 0.5, rng.normal(size=(d, d)), rng.normal(size=d)
+    x = rng.normal(size=(n_seq, seq_len, d)) @ mix
+    source = x if tokenwise else rng.normal(size=(n_seq, seq_len, d)) @ mix
+    y = x + update(source) + 0.05 * rng.normal(size=x.shape)
+    kept = np.ones((n_seq, seq_len), bool)
+    kept[:, 0] = False
+    data = LayerData(layer=1, input_ids=np.zeros((n_seq, seq_len), np.int64), kept=kept,
+                     x_full=x.astype(np.float32), y_full=y.astype(np.float32), docs=np.arange(n_seq))
+    cfg = AnalysisConfig(n_seq=n_seq, seq_len=seq_len, k=48, rank=4, classes=("lowrank",), positive_controls=(),
+                         bootstrap=200, jackknife_groups=0)
+    prov = Provenance.of("planted", "r", "c", "s", cfg, 2, "w")
+    fits, neighbours = compute_fits(data, cfg)
+    _, _, real = geometry_tables(data, fits, cfg, prov)
+    null = control_layer_tables(data, None, neighbours, cfg, prov)["control_geometry_bootstrap"]
+    assert set(null["control"].to_pylist()) == {"unrelated"}
+    return real["cos_full_tok_median"].to_numpy(), null["cos_full_tok_median"].to_numpy()
+
+
+def test_the_fitted_null_is_reachable_when_the_layer_is_tokenwise_and_not_when_it_is_not() -> None:
+    """Finding 1's null (the same fits on x paired with another document's update): a tokenwise layer is
+    beyond it; a layer whose updates have the same distribution but no relation to x is not, although
+    its fits still align with the updates' shared mean (the null is well above 0, unlike a sign test)."""
+    from updatelens.verdicts import NULL_WORDS, difference_outcome
+
+    for tokenwise, expected in ((True, "beyond"), (False, "indistinct")):
+        real, null = _fitted_medians(tokenwise)
+        lo, hi = np.quantile(real - null, [0.025, 0.975])
+        assert difference_outcome(">=", float(lo), float(hi), NULL_WORDS) == expected, (tokenwise, lo, hi)
+        assert np.median(null) > 0.2, np.median(null)  # the updates' shared mean: what an isotropic null misses
+
+
+def test_findings_1_take_their_null_from_the_null_target_resample_by_resample(tmp_path: Path) -> None:
+    """The catalog reads finding 1's (and 1 map's) null from the same finding measured on the stored
+    `unrelated` target, on the same resample: a null target whose cosines are the real ones lowered by
+    0.2 gives a null 0.2 below the value on every replicate, so the difference's interval is a point."""
+    fixture(tmp_path)
+    replicate_fixture(tmp_path)
+    write_controls(tmp_path, {"self_first": None,
+                              "unrelated": {"cos_full_tok_median": -0.2, "cos_full_tok": -0.2,
+                                            "cos_full_tok_map_median": -0.2, "cos_full_tok_map": -0.2}})
+    replicates = catalog.query(tmp_path, "SELECT * FROM finding_replicates WHERE finding IN ('1', '1 map') "
+                                         "AND value IS NOT NULL").to_dicts()
+    assert len(replicates) > 2 * len(CLASSES) and all(r["null_value"] is not None for r in replicates)
+    assert all(abs(r["value"] - r["null_value"] - 0.2) < 1e-9 for r in replicates)
+    rows = catalog.query(tmp_path, "SELECT * FROM findings_by_class WHERE finding IN ('1', '1 map')").to_dicts()
+    for row in rows:
+        assert abs(row["diff_ci_lo"] - 0.2) < 1e-9 and abs(row["diff_ci_hi"] - 0.2) < 1e-9
+        assert row["null_outcome"] == "beyond" and row["control"] == "self_first"  # a null, not the control

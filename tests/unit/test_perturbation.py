@@ -316,3 +316,36 @@ def test_models_without_attention_fall_back_to_all_positions(tiny_models: dict) 
 
     assert resolve_patch_mode(tiny_models["tiny-mamba"], "auto") == "all"
     assert resolve_patch_mode(tiny_models["tiny-mamba"], "single") == "single"
+
+
+def test_the_random_move_is_drawn_in_the_shape_of_the_residuals() -> None:
+    """Finding 4 direction's random control: each state moves exactly as far as its residual, in a random
+    direction that stays in the span the residuals use (here 2 of 6 dimensions), not in an isotropic one;
+    the shape is the whole layer's (`move_shape`), so a block's moves match the whole sample's."""
+    from updatelens.fits import LayerFit
+    from updatelens.geometry import update_shape
+    from updatelens.steps.functional_metrics import residual_gram
+
+    rng = np.random.default_rng(0)
+    n_seq, t, d = 6, 9, 6
+    basis = np.linalg.qr(rng.normal(size=(d, d)))[0]
+    x = rng.normal(size=(n_seq, t, d))
+    res = (rng.normal(size=(n_seq, t, 2)) * np.array([3.0, 0.5])) @ basis[:, :2].T
+    y = x + 0.3 * x + res
+    kept = np.ones((n_seq, t), bool)
+    data = LayerData(1, np.zeros((n_seq, t), np.int64), kept, x.astype(np.float32), y.astype(np.float32))
+    tx = (x + 0.3 * x)[kept]
+    fit = LayerFit("lowrank", tx, np.ones(len(tx)), np.zeros(len(tx), bool))
+    cfg = AnalysisConfig(n_seq=n_seq, seq_len=t, k=5, classes=("lowrank",), controls=("random",))
+    (random,) = [v for v in build_variants(data, {"lowrank": fit}, cfg) if v.name == "random"]
+    move = random.state[kept] - data.y
+    np.testing.assert_allclose(np.linalg.norm(move, axis=1), np.linalg.norm(data.y - tx, axis=1), rtol=1e-6)
+    outside = move @ basis[:, 2:]
+    assert np.abs(outside).max() < 1e-3 * np.abs(move).max()  # no energy outside the residuals' span
+    # a block of sequences with the whole layer's shape moves its tokens as the whole layer does
+    shape = update_shape(residual_gram(data, fit), len(tx))
+    block = LayerData(1, data.input_ids[2:4], kept[2:4], data.x_full[2:4], data.y_full[2:4], seq_offset=2)
+    rows = slice(2 * t, 4 * t)
+    block_fit = LayerFit("lowrank", tx[rows], np.ones(2 * t), np.zeros(2 * t, bool))
+    (again,) = [v for v in build_variants(block, {"lowrank": block_fit}, cfg, shape) if v.name == "random"]
+    np.testing.assert_allclose(again.state[kept[2:4]], random.state[kept][rows], rtol=1e-6, atol=1e-6)

@@ -11,6 +11,11 @@ fits (the same classes, on the same stored neighbours) and the same geometry as 
 - `linear`: x -> x + xB, B a ridge fit of the real update y - x on every token outside the token's
   document (leave one document out), so the target of a token never used its own article.
 
+Beside them, always, the null target `unrelated` (`unrelated_target`): x -> x + the update of a token
+of another document, so the target has the layer's own updates (their mean, spread and shape) and
+no relation to x at all. The same fits on it say what the estimator reports when there is nothing
+tokenwise to find: the null of findings 1 and 1 map (docs/method.md, "Nulls").
+
 Its tables (`control_geometry`, `control_spectra`, `control_geometry_bootstrap`) are the geometry
 stage's tables with a `control` column: the catalog renders the findings over them unchanged and
 sets each finding's real value beside its controls'.
@@ -57,22 +62,59 @@ def linear_target(x: np.ndarray, y: np.ndarray, doc: np.ndarray, ridge: float) -
     return out
 
 
+NULL_TARGET = "unrelated"  # the findings' fitted null (updatelens.findings.Finding.null_target)
+
+
+def unrelated_partners(doc: np.ndarray, seed: int) -> np.ndarray:
+    """For each kept token, the row of a token of another document: the tokens grouped by document
+    (each document's in a seeded random order), each paired with the token `m` places on in that
+    order, cyclically, `m` the largest document's count. A bijection (every update is used once), and
+    no token meets its own document: a block of at most m rows, shifted m places, lands outside itself
+    (wrapping round, it lands before itself when no document holds more than half of the tokens)."""
+    n = len(doc)
+    counts = np.unique(doc, return_counts=True)[1]
+    m = int(counts.max()) if n else 0
+    if 2 * m > n:
+        raise ValueError(f"the unrelated null target pairs each token with another document's: it needs no document "
+                         f"to hold more than half of the kept tokens (the largest holds {m} of {n})")
+    order = np.lexsort((np.random.default_rng([seed, 7121]).random(n), doc))
+    partners = np.empty(n, dtype=np.int64)
+    partners[order] = order[(np.arange(n) + m) % n]
+    return partners
+
+
+def unrelated_target(x: np.ndarray, y: np.ndarray, doc: np.ndarray, seed: int) -> np.ndarray:
+    """x + (y - x) of another document's token (`unrelated_partners`), per kept token [N, d] float32:
+    the layer's own updates, re-paired so that none belongs to its x."""
+    partners = unrelated_partners(doc, seed)
+    delta = y.astype(np.float64) - x.astype(np.float64)
+    return (x.astype(np.float64) + delta[partners]).astype(np.float32)
+
+
 def control_targets(data: LayerData, y_ctl: np.ndarray | None, cfg: AnalysisConfig) -> dict[str, np.ndarray]:
     """Each configured control's target over the full grid [n_seq, T, d] (kept positions filled; the
-    others hold y, never read). `y_ctl`: the stored self-and-first outputs [n_seq, T, d], None where the
-    architecture has none: the linear control then stands in for it."""
+    others hold y, never read), then the null target `unrelated`. `y_ctl`: the stored self-and-first
+    outputs [n_seq, T, d], None where the architecture has none: the linear control then stands in for it."""
     out: dict[str, np.ndarray] = {}
-    for control in made_controls(cfg.positive_controls, y_ctl is not None):
+    for control in made_targets(cfg.positive_controls, y_ctl is not None):
         if control == "self_first":
             if y_ctl is not None:
                 out[control] = y_ctl
-        elif control == "linear":
-            grid = data.y_full.copy()
+            continue
+        grid = data.y_full.copy()
+        if control == "linear":
             grid[data.kept] = linear_target(data.x, data.y, data.doc, cfg.ridge)
-            out[control] = grid
+        elif control == NULL_TARGET:
+            grid[data.kept] = unrelated_target(data.x, data.y, data.doc, cfg.seed)
         else:
             raise ValueError(f"unknown positive control {control!r}")
+        out[control] = grid
     return out
+
+
+def made_targets(asked: tuple[str, ...], has_self_first: bool) -> list[str]:
+    """The controls stage's targets: the positive controls made for `asked`, then the null target."""
+    return [*made_controls(asked, has_self_first), NULL_TARGET]
 
 
 def made_controls(asked: tuple[str, ...], has_self_first: bool) -> list[str]:

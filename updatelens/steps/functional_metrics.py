@@ -18,9 +18,7 @@ from updatelens.bootstrap import (
 )
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
-from updatelens.geometry import (
-    token_metrics,
-)
+from updatelens.geometry import shaped_directions, token_metrics, update_shape
 from updatelens.models import LoadedModel
 from updatelens.perturbation import (
     OriginalOutput,
@@ -53,8 +51,18 @@ def patched_pass_count(cfg: AnalysisConfig) -> int:
     return len(cfg.classes) + len(control_plan(cfg)) + (cfg.patch_mode in ("auto", "exact"))
 
 
-def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConfig) -> list[Variant]:
-    """The main patch per class (y -> T(x) at kept positions) and the controls of `control_plan`."""
+def residual_gram(data: LayerData, fit: LayerFit) -> np.ndarray:
+    """Σ r rᵀ over the kept tokens of `data` (r = y - T(x) of `fit`), float64 [d, d]."""
+    r = data.y.astype(np.float64) - fit.tx
+    return r.T @ r
+
+
+def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConfig,
+                   move_shape: np.ndarray | None = None) -> list[Variant]:
+    """The main patch per class (y -> T(x) at kept positions) and the controls of `control_plan`. The
+    random control moves each state as far as the patch does, in a random direction drawn in the shape of
+    the residuals (N(0, Σ_r), `move_shape` a square root of Σ_r over the whole layer; None: over `data`),
+    so the move stays in the directions the residuals use (docs/method.md, "Nulls")."""
 
     def scatter(values: np.ndarray) -> np.ndarray:
         state = data.y_full.astype(np.float64).copy()
@@ -67,7 +75,8 @@ def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConf
         if name == "random":
             y = data.y.astype(np.float64)
             norm_res = np.linalg.norm(data.y - primary.tx, axis=1)
-            state = scatter(y + norm_res[:, None] * random_directions(data, cfg.seed))
+            shape = move_shape if move_shape is not None else update_shape(residual_gram(data, primary), len(y))
+            state = scatter(y + norm_res[:, None] * shaped_directions(random_directions(data, cfg.seed), shape))
         elif name == "crude":
             state = scatter(data.y + (fits[cfg.crude_class].tx - primary.tx))
         else:  # identity
@@ -108,11 +117,11 @@ FunctionalRows = list[dict[str, np.ndarray | str]]
 
 def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig: OriginalOutput,
                     cfg: AnalysisConfig, returns_tuple: bool = False,
-                    positions: np.ndarray | None = None) -> FunctionalRows:
+                    positions: np.ndarray | None = None, move_shape: np.ndarray | None = None) -> FunctionalRows:
     """KL of every variant at the measured tokens of `data` (a layer, or a block of its sequences:
     `orig` covers the same sequences). `positions`: the sample's single-position pairs (patch_mode
-    "single"), in sample sequence numbers."""
-    variants = build_variants(data, fits, cfg)
+    "single"), in sample sequence numbers; `move_shape`: the random control's shape (`build_variants`)."""
+    variants = build_variants(data, fits, cfg, move_shape)
     mode = resolve_patch_mode(lm, cfg.patch_mode)
     if mode == "exact":  # every position's single-position effect, in one pass of 1 + len(variants) streams
         kls = all_single_position_kl(lm, data.input_ids, data.layer, variants, data.y_full, orig,
@@ -179,6 +188,7 @@ def stream_functional(lm: LoadedModel, input_ids: np.ndarray, kept: np.ndarray, 
     rows: list[FunctionalRows] = [[] for _ in measures]
     n_seq = len(input_ids)
     size = block.kl_block_size(vocab_size(lm))
+    shapes = [_move_shape(m, read, n_seq, size) for m in measures]
     with progress(label, n_seq * len(measures), "seq x layer") as bar:
         for lo in range(0, n_seq, size):
             hi = min(n_seq, lo + size)
@@ -190,12 +200,28 @@ def stream_functional(lm: LoadedModel, input_ids: np.ndarray, kept: np.ndarray, 
                 for i, measure in enumerate(measures):
                     if measure.layer == layer:
                         rows[i] += functional_rows(lm, data, measure.fits(data, lo, hi), orig, measure.cfg,
-                                                   returns_tuple, positions[i])
+                                                   returns_tuple, positions[i], shapes[i])
                         bar.update(hi - lo)
                 if lo == 0 and first_block is not None:
                     first_block(layer, data)
             del orig
     return rows
+
+
+def _move_shape(measure: Measure, read: Callable[[int, int, int], LayerData], n_seq: int,
+                size: int) -> np.ndarray | None:
+    """The random control's shape for one measure: a square root of the second moment of the primary
+    class's residuals over the whole layer, read block by block before the patched passes (so a token's
+    move does not depend on how the sample is cut into blocks); None where no random control is made."""
+    if "random" not in control_plan(measure.cfg):
+        return None
+    gram, count = None, 0
+    for lo in range(0, n_seq, size):
+        data = read(measure.layer, lo, min(n_seq, lo + size))
+        part = residual_gram(data, measure.fits(data, lo, min(n_seq, lo + size))[measure.cfg.primary_class])
+        gram = part if gram is None else gram + part
+        count += len(data.seq)
+    return update_shape(gram, count) if gram is not None else None
 
 
 def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov: Provenance,
