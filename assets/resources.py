@@ -18,7 +18,7 @@ from upath import UPath
 from updatelens.assets.checks import CheckSettings
 from updatelens.config import AnalysisConfig, field_help, json_object_env
 from updatelens.corpus import Sample, make_sample
-from updatelens.models import LoadedModel, load_model, window_first_token
+from updatelens.models import LoadedModel, load_model, recorded_revision, window_first_token
 from updatelens.registry import get_corpus, get_model, registry_path
 from updatelens.storage.location import as_root, default_data_root
 from updatelens.storage.store import Store
@@ -44,7 +44,7 @@ AnalysisSettings = pydantic.create_model(
     **_settings_fields(),
 )
 
-_MODEL_CACHE: dict[tuple[str, str], LoadedModel] = {}
+_MODEL_CACHE: dict[tuple[str, str, str | None], LoadedModel] = {}
 
 
 SETTINGS_ENV = "UPDATELENS_SETTINGS"
@@ -84,13 +84,17 @@ class UpdateLensResource(dg.ConfigurableResource):
         return AnalysisConfig.from_dict(self.analysis.model_dump())  # type: ignore[attr-defined]
 
     def load(self, model: str) -> LoadedModel:
-        """Load (or reuse) a model; one model is kept in memory at a time."""
+        """Load (or reuse) a model; one model is kept in memory at a time. Reused only while its folder
+        holds the same weights (the fingerprint, models.recorded_revision: a warm cache stats the files),
+        so a long-lived process (the UI's code server) never runs stale weights under their name."""
         cfg = self.config()
-        key = (model, cfg.device)
+        entry = get_model(model, Path(self.registry))
+        key = (model, cfg.device, recorded_revision(entry))
         if key not in _MODEL_CACHE:
             _MODEL_CACHE.clear()
-            entry = get_model(model, Path(self.registry))
-            _MODEL_CACHE[key] = load_model(entry, device=cfg.device, dtype=torch.float32)
+            lm = load_model(entry, device=cfg.device, dtype=torch.float32)
+            key = (model, cfg.device, recorded_revision(entry))  # a hub model not cached before has one now
+            _MODEL_CACHE[key] = lm
         return _MODEL_CACHE[key]
 
     def sample(self, lm: LoadedModel) -> Sample:

@@ -176,10 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"updatelens {args.command}: interrupted{left}", file=sys.stderr)
         return 130
     except Exception as exc:
+        root = getattr(args, "data_root", None) or os.environ.get("UPDATELENS_DATA", "data")
+        full = disk_full(exc)
+        if full is not None:
+            left = ("; every partition is written whole or not at all: what is stored verifies, and the next run "
+                    "redoes what is missing" if args.command in WRITERS else "")
+            print(f"updatelens {args.command}: the disk is full (or failing) writing under the data root {root} "
+                  f"({full}): free some space and run again{left}", file=sys.stderr)
+            return 1
         where = cannot_write(exc)
         if where is None:
             raise
-        root = getattr(args, "data_root", None) or os.environ.get("UPDATELENS_DATA", "data")
         print(f"updatelens {args.command}: cannot write under the data root {root} ({where}); it is read-only "
               f"here: copy it to a writable place (`cp -a`; a copy re-verifies on first use) and point "
               f"--data-root at the copy", file=sys.stderr)
@@ -188,6 +195,32 @@ def main(argv: list[str] | None = None) -> int:
 
 WRITERS = ("run", "sweep", "converge", "calibrate", "report")  # the commands that write under the root
 READ_ONLY_SIGNS = ("read-only file system", "readonly database", "permission denied")
+
+
+FULL_DISK_SIGNS = ("no space left on device", "database or disk is full", "disk i/o error", "disk quota exceeded",
+                   "file too large")
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc` and what caused it, in order (each once)."""
+    out: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not seen for seen in out):
+        out.append(current)
+        current = current.__cause__ or current.__context__
+    return out
+
+
+def disk_full(exc: BaseException) -> str | None:
+    """What could not be written, when `exc` (or its cause: an OSError under a DuckDB, SQLite, SQLAlchemy
+    or Parquet error) says the disk is full, over quota or failing; None for anything else."""
+    for current in _causes(exc):
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return f"{current.strerror}: {current.filename}" if current.filename else str(current.strerror)
+        text = str(current).strip()
+        if any(sign in text.lower() for sign in FULL_DISK_SIGNS):
+            return (text.splitlines() or [type(current).__name__])[0][:200]
+    return None
 
 
 def cannot_write(exc: BaseException) -> str | None:

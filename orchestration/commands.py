@@ -156,7 +156,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     for name in lens.store.clean_abandoned_staging():  # whatever the run then skips as up to date
         print(f"removed staging {name} left by a crashed run")
     wanted = layers or (preset_layers(args.preset, report.n_layers) if args.preset else list(range(report.n_layers)))
-    plan = stale_layers(lens, args.model, wanted, force=args.force)
+    other = _other_weights(lens, args.model, report.revision, wanted)
+    if other:
+        print(f"updatelens run: {other}", file=sys.stderr)
+        return 2
+    plan = stale_layers(lens, args.model, wanted, force=args.force, revision=report.revision)
     todo = sorted(plan)
     if not todo:
         print("every requested partition is up to date (same code version of each stage and config); --force recomputes")
@@ -443,12 +447,38 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def _other_weights(lens: UpdateLensResource, model: str, revision: str | None, wanted: list[int]) -> str:
+    """Why a run of `wanted` would leave the model's rows made by two sets of weights under one name
+    (stored layers outside `wanted` made with other weights than `revision`), or ''."""
+    from updatelens.stages import TABLES
+    from updatelens.storage.integrity import stored_revisions
+
+    if revision is None:
+        return ""
+    others = {rev: [layer for layer in layers if layer not in wanted]
+              for rev, layers in stored_revisions(lens.store.root, model, TABLES).items() if rev != revision}
+    others = {rev: layers for rev, layers in others.items() if layers}
+    if not others:
+        return ""
+    rev, layers = next(iter(others.items()))
+    return (f"the root holds {model} rows of layers {_layer_list(layers)} made with other weights "
+            f"({rev or 'weights unrecorded'}; now {revision}), which this run would not recompute: the weights "
+            f"under the name {model!r} changed. Run every stored layer to replace them all, or register these "
+            f"weights under another name")
+
+
+def _layer_list(layers: list[int]) -> str:
+    from updatelens.orchestration.runner import contiguous_ranges
+
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in contiguous_ranges(layers))
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """Every stored partition file checked against its manifest; damaged ones listed and, with --repair,
     moved to <root>/_quarantine/ (the next `updatelens run` recomputes them); incomplete layers listed."""
     from updatelens.stages import TABLES
     from updatelens.storage import catalog
-    from updatelens.storage.integrity import incomplete_layers, mixed_layers, quarantine
+    from updatelens.storage.integrity import incomplete_layers, mixed_layers, mixed_weights, quarantine
     from updatelens.storage.location import existing_root
     from updatelens.storage.store import Store
 
@@ -465,6 +495,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         parts = "; ".join(f"{', '.join(tables)} at config {config}" for config, tables in runs.items())
         print(f"incomplete: model={model} layer={layer}: its tables come from different runs: {parts}")
         incomplete.append((model, layer, []))
+    mixed = mixed_weights(root, TABLES)
+    for model, revisions in mixed.items():  # another model's weights stored under the same name
+        parts = "; ".join(f"layers {_layer_list(layers)} from {rev or 'unrecorded weights'}"
+                          for rev, layers in revisions.items())
+        print(f"mixed weights: model={model}: its rows come from {len(revisions)} sets of weights: {parts}")
     db_path = catalog.catalog_path(root)
     catalog_damage = catalog.catalog_error(db_path) if db_path is not None else None
     if catalog_damage:
@@ -475,9 +510,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"removed abandoned staging {name}")
         if damaged or catalog_damage:
             catalog.refresh(root)
-    if not damaged and not catalog_damage and not incomplete:
+    if not damaged and not catalog_damage and not incomplete and not mixed:
         print("every stored partition verifies; every stored layer is complete")
         return 0
+    if mixed:
+        print("`updatelens run` over every stored layer of a mixed model recomputes them with the weights it "
+              "now finds")
     if (damaged or catalog_damage) and not args.repair:
         print("run `updatelens verify --repair` to move the damaged files aside; `updatelens run` then recomputes "
               "them and the incomplete layers")

@@ -43,13 +43,15 @@ def registry_changes(registry: Path, cursor: str | None) -> RegistryChanges:
 
 
 
-def stale_stages(root: Path, model: str, layer: int, config_id: str, versions: dict[str, str]) -> list[str]:
+def stale_stages(root: Path, model: str, layer: int, config_id: str, versions: dict[str, str],
+                 revision: str | None = None) -> list[str]:
     """The stages of a (model, layer) to recompute, in the stages' order: those with a table that is
     absent, does not verify against its manifest (a partition deleted or damaged, or a stray file
     beside it: see storage.integrity), holds no rows where the stage always writes some, or was written
-    under another configuration or another code version of the stage (`updatelens.versions`), and
-    every stage that reads their tables. A layer a run with other settings left half-written is
-    stale from its first stage of those settings on."""
+    under another configuration or another code version of the stage (`updatelens.versions`) or, with
+    `revision` (models.recorded_revision), from other weights, and every stage that reads their
+    tables. A layer a run with other settings left half-written is stale from its first stage of those
+    settings on."""
     stale: set[str] = set()
     for stage in STAGES:
         has_rows = False
@@ -64,7 +66,8 @@ def stale_stages(root: Path, model: str, layer: int, config_id: str, versions: d
                 break
             if entry.get("rows"):
                 has_rows = True
-                if (entry.get("config_id"), entry.get("code_version")) != (config_id, versions[stage.name]):
+                if ((entry.get("config_id"), entry.get("code_version")) != (config_id, versions[stage.name])
+                        or (revision is not None and entry.get("model_revision") != revision)):
                     stale.add(stage.name)
                     break
         else:
@@ -73,8 +76,9 @@ def stale_stages(root: Path, model: str, layer: int, config_id: str, versions: d
     return with_readers(stale)
 
 
-def stale_plan(root: Path, model: str, layers: list[int], config_id: str, versions: dict[str, str]) -> dict[int, list[str]]:
+def stale_plan(root: Path, model: str, layers: list[int], config_id: str, versions: dict[str, str],
+               revision: str | None = None) -> dict[int, list[str]]:
     """{layer: its stale stages} for the layers with any."""
-    plan = {layer: stale_stages(root, model, layer, config_id, versions) for layer in layers}
+    plan = {layer: stale_stages(root, model, layer, config_id, versions, revision) for layer in layers}
     return {layer: stages for layer, stages in plan.items() if stages}
 

@@ -112,13 +112,14 @@ def contiguous_ranges(layers: Sequence[int]) -> list[list[int]]:
     return ranges
 
 
-def stale_layers(lens: UpdateLensResource, model: str, layers: Sequence[int], force: bool = False) -> dict[int, list[str]]:
+def stale_layers(lens: UpdateLensResource, model: str, layers: Sequence[int], force: bool = False,
+                 revision: str | None = None) -> dict[int, list[str]]:
     """{layer: the stages to recompute} for the requested layers whose results are missing, damaged or
-    from another configuration or code version of a stage (and the stages that read them), in order;
-    with `force`, every stage of every requested layer."""
+    from another configuration or code version of a stage, or (with `revision`) from other weights (and
+    the stages that read them), in order; with `force`, every stage of every requested layer."""
     if force:
         return {layer: list(STAGE_NAMES) for layer in layers}
-    plan = stale_plan(lens.root, model, list(layers), lens.config().config_id, stage_versions())
+    plan = stale_plan(lens.root, model, list(layers), lens.config().config_id, stage_versions(), revision)
     return {layer: plan[layer] for layer in layers if layer in plan}
 
 

@@ -349,6 +349,29 @@ def layer_runs(root: str | Path, model: str, layer: int, tables: tuple[str, ...]
     return runs
 
 
+def stored_revisions(root: str | Path, model: str, tables: tuple[str, ...]) -> dict[str, list[int]]:
+    """{model_revision: its layers} over the manifests of a model's stored partitions with rows: the
+    weights each layer's rows were made with (models.recorded_revision, its fingerprint). More than one
+    key: the root holds two models' results under one name. A manifest from before revisions were
+    recorded counts as '' (unknown)."""
+    found: dict[str, set[int]] = {}
+    for (stored_model, layer), have in stored_layers(root, tables).items():
+        if stored_model != model:
+            continue
+        for table in have:
+            entry = read_manifest(as_root(root) / table / f"model={model}" / f"layer={layer}" / PART_FILE)
+            if entry is not None and entry.get("rows"):
+                found.setdefault(str(entry.get("model_revision", "")), set()).add(layer)
+    return {revision: sorted(layers) for revision, layers in sorted(found.items())}
+
+
+def mixed_weights(root: str | Path, tables: tuple[str, ...]) -> dict[str, dict[str, list[int]]]:
+    """{model: {model_revision: layers}} for every model whose stored rows come from more than one set
+    of weights under its one name (`stored_revisions`)."""
+    models = sorted({model for model, _ in stored_layers(root, tables)})
+    return {model: revisions for model in models if len(revisions := stored_revisions(root, model, tables)) > 1}
+
+
 def stored_layers(root: str | Path, tables: tuple[str, ...]) -> dict[tuple[str, int], set[str]]:
     """The tables stored for each (model, layer), from the files under the layout's folders (another
     spelling of a layer is listed as damaged by `scan`, not counted as the layer)."""

@@ -98,7 +98,7 @@ class ParquetSink:
             self._validate(table)
         if self._writer is None:
             self._writer = pq.ParquetWriter(self.path, table.schema, compression="zstd")
-            self._provenance |= {c: str(table[c][0].as_py()) for c in ("config_id", "code_version")
+            self._provenance |= {c: str(table[c][0].as_py()) for c in ("config_id", "code_version", "model_revision")
                                  if c in table.column_names and len(table)}
         for batch in table.to_batches(max_chunksize=row_group_rows):
             self._writer.write_batch(batch)

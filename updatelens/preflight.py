@@ -19,7 +19,7 @@ from typing import Any
 from updatelens.config import AnalysisConfig, preset_layers
 from updatelens.corpus import Sample, check_text_file, make_sample
 from updatelens.errors import ConfigError, ModelError, UpdateLensError
-from updatelens.models import resolve_source, window_first_token
+from updatelens.models import recorded_revision, resolve_source, window_first_token
 from updatelens.registry import CorpusEntry, ModelEntry
 
 BYTES_PER_VALUE = 4  # float32 vectors in Parquet
@@ -32,6 +32,9 @@ class Preflight:
     max_positions: int | None
     sample: Sample
     bytes_needed: int
+    # the revision every row will record, with the weights' fingerprint (models.recorded_revision); None
+    # where a hub model is not cached yet
+    revision: str | None = None
 
 
 def check_safetensors(folder: Path) -> None:
@@ -154,4 +157,4 @@ def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_
     needed = estimate_bytes(cfg, n_analysed, d_model)
     check_data_root(data_root, needed)
     return Preflight(n_layers=n_layers, d_model=d_model, max_positions=int(max_pos) if max_pos else None,
-                     sample=sample, bytes_needed=needed)
+                     sample=sample, bytes_needed=needed, revision=recorded_revision(entry))

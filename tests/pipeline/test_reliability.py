@@ -359,3 +359,42 @@ def test_a_sweep_on_a_fresh_root_captures_the_sample_first_and_only_once(zoo: Pa
     assert not (root / "local_fits").exists()  # the run's own stages are not materialized by a sweep
     assert main(args) == 0
     assert "capturing" not in capsys.readouterr().out
+
+
+def test_other_weights_under_the_same_name_are_never_mixed_with_the_stored_rows(
+        zoo: Path, env: Path, capsys: pytest.CaptureFixture) -> None:
+    """The weights' fingerprint is on every row and in every manifest: with a changed config in the model's
+    folder (one norm epsilon), a run of one layer refuses in one line (the other layers' rows were made with
+    the old weights) and changes nothing; a run of every layer recomputes them all (staleness compares the
+    fingerprint). A root that holds two fingerprints under one name is named by `verify`."""
+    from updatelens.storage.integrity import MANIFEST
+    from updatelens.storage.layout import partition_file
+
+    folder = env / "tiny-copy"
+    shutil.copytree(local_model(zoo, "tiny-gpt2"), folder)
+    registry = registry_with(zoo, env / "registry.toml", f'[models.tiny-copy]\nsource = "local"\npath = "{folder}"\n')
+    root = env / "data"
+    base = ["run", "--registry", str(registry), "--data-root", str(root), "--model", "tiny-copy", *SMALL, *NO_REPORT]
+    assert main(base) == 0
+    before = {p: p.read_bytes() for p in parquet_files(root)}
+    revisions = {json.loads((p.parent / MANIFEST).read_text())["model_revision"] for p in before}
+    assert len(revisions) == 1 and " weights:" in next(iter(revisions))
+    config = json.loads((folder / "config.json").read_text())
+    config["layer_norm_epsilon"] = 1e-3
+    (folder / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main([*base, "--layers", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "layers 1-2 made with other weights" in err[0], err
+    assert {p: p.read_bytes() for p in parquet_files(root)} == before  # nothing touched
+    assert main(base) == 0  # every layer: all stale by their fingerprint, all recomputed
+    after = {json.loads((p.parent / MANIFEST).read_text())["model_revision"] for p in parquet_files(root)}
+    assert len(after) == 1 and after != revisions
+    assert main(["verify", "--data-root", str(root)]) == 0
+    # a root holding both (as a run of an older version could leave it): verify names it
+    manifest = partition_file(root, "geometry", "tiny-copy", 1).parent / MANIFEST
+    entry = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps(entry | {"model_revision": next(iter(revisions))}))
+    capsys.readouterr()
+    assert main(["verify", "--data-root", str(root)]) == 1
+    assert "mixed weights: model=tiny-copy: its rows come from 2 sets of weights" in capsys.readouterr().out

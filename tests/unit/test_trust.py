@@ -512,3 +512,73 @@ def test_staging_left_by_a_killed_process_is_cleaned_everywhere_under_the_root(t
     removed = clean_abandoned_staging(tmp_path)
     assert len(removed) == len(left) and not any(f.exists() for f in left)
     assert all(f.exists() for f in live)
+
+
+def test_a_full_disk_while_the_catalog_is_built_leaves_no_half_built_file(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    two_layers(tmp_path)
+    catalog.refresh(tmp_path)
+    db_path = catalog.catalog_path(tmp_path)
+    assert db_path is not None
+    before = db_path.read_bytes()
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(db_path.parent / "x"))
+
+    monkeypatch.setattr(catalog, "_create_views", full)
+    with pytest.raises(OSError):
+        catalog.refresh(tmp_path)
+    assert not list(db_path.parent.glob("*.building*"))  # nothing half-built left beside the catalog
+    assert db_path.read_bytes() == before  # the last good catalog stays
+
+
+@pytest.mark.parametrize("fault", ["enospc", "sqlite"])
+def test_a_full_disk_mid_run_ends_in_one_line_naming_the_cause_and_the_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, fault: str) -> None:
+    """The two ways a full disk surfaces: an OSError (a partition, the catalog) and the run database's
+    SQLAlchemy error over SQLite's 'disk I/O error' (raised by Dagster outside any step)."""
+    import errno
+    import sqlite3
+
+    import sqlalchemy.exc
+
+    from updatelens.orchestration import cli
+
+    def full(args: object) -> int:
+        if fault == "enospc":
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "geometry" / "part-0.parquet"))
+        raise sqlalchemy.exc.OperationalError("INSERT INTO event_logs", {}, sqlite3.OperationalError("disk I/O error"))
+
+    monkeypatch.setattr(cli, "cmd_verify", full)
+    parser_default = ["verify", "--data-root", str(tmp_path)]
+    assert cli.main(parser_default) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the disk is full (or failing)" in err[0], err
+    assert ("part-0.parquet" if fault == "enospc" else "disk I/O error") in err[0]
+
+
+def test_the_weights_fingerprint_follows_the_content_and_is_read_once(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file's content counts (one byte of the config changes it, size and all kept), the WEIGHTS
+    note and hidden files do not; a second call on unchanged files reads none of them (only stats)."""
+    import updatelens.models as models
+
+    monkeypatch.setenv("UPDATELENS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"layer_norm_epsilon": 1e-05}')
+    (folder / "model.safetensors").write_bytes(os.urandom(4096))
+    first = models.weights_fingerprint(folder)
+    (folder / models.WEIGHTS_FILE).write_text("GGUF Q4_K_M\n")
+    (folder / ".lock").write_text("x")
+    read: list[Path] = []
+    digest = models._file_digest
+    monkeypatch.setattr(models, "_file_digest", lambda path: read.append(path) or digest(path))
+    assert models.weights_fingerprint(folder) == first and read == []  # cached: nothing read again
+    stat = (folder / "config.json").stat()
+    (folder / "config.json").write_text('{"layer_norm_epsilon": 1e-03}')  # same size
+    os.utime(folder / "config.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    changed = models.weights_fingerprint(folder)
+    assert changed != first and [p.name for p in read] == ["config.json"]
