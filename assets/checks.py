@@ -20,6 +20,7 @@ import torch
 
 from updatelens.assets.expectations import Expect, Verdict, between, row_count, validate
 from updatelens.config import AnalysisConfig
+from updatelens.findings import EXACT
 from updatelens.fits import LOCAL_FITTERS, FitParams, LayerFit, refit_anchors, torch_dtype
 from updatelens.models import LoadedModel
 from updatelens.perturbation import OriginalOutput, Variant, patched_kl
@@ -32,7 +33,11 @@ class CheckSettings(dg.Config):
     """Thresholds of the data-quality checks (configuration, recorded in check metadata)."""
 
     max_state_norm: float = 1e6  # any hidden-state norm above this is a blow-up
-    hidden_state_tol: float = 1e-4  # captured vs output_hidden_states, relative to each row's scale (pos > 0)
+    # captured vs output_hidden_states, relative to each row's scale (pos > 0): the reference pass batches
+    # the sequences otherwise, and float32 sums in another order differ by up to 1.16e-4 on SmolLM2's
+    # layers 22-24 (measured in a default run that 1e-4 failed); a hook on the wrong tensor is off by O(1),
+    # and the planted fault of 1e-3 at one position (tests/pipeline/test_checks.py) stays 2.5 x beyond
+    hidden_state_tol: float = 4e-4
     hidden_state_sequences: int = 2  # sequences recomputed for that comparison
     reconstruction_tol: float = 1e-5  # |y - T(x) - r| relative to ||y||
     audit_anchors: int = 32  # anchors per local class re-fitted from their stored neighbours
@@ -558,7 +563,8 @@ def check_controls(geometry: pa.Table, spectra: pa.Table, n_kept: int, classes: 
     for control in [c for c in expected if c in found]:  # a missing one is named above, not measured empty
         rows = geometry.filter(pc.equal(geometry["control"], control)).drop_columns(["control"])
         spec = spectra.filter(pc.equal(spectra["control"], control)).drop_columns(["control"])
-        verdict.merge(check_geometry(rows, spec, n_kept, classes), prefix=f"{control}: ")
+        measured = [EXACT] if control == EXACT else classes  # the exact split is its own class
+        verdict.merge(check_geometry(rows, spec, n_kept, measured), prefix=f"{control}: ")
     return verdict
 
 

@@ -439,7 +439,8 @@ def build_comparison(root: Path) -> Report:
         parts, finding_parts, band_parts = [], [], []
         for model in models:
             config_id, _ = _main_config(con, model)
-            findings = _frame(con, "SELECT * FROM findings WHERE model = ? AND config_id = ?", [model, config_id])
+            findings = _frame(con, "SELECT * FROM findings WHERE model = ? AND config_id = ? AND estimator <> 'exact'",
+                              [model, config_id])
             if findings.is_empty():
                 continue
             best = str(findings["fn_class"][0])

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 from updatelens import CODE_VERSION, schemas
 from updatelens.findings import (
+    EXACT,
     FINDINGS,
     GEOMETRY_STATISTIC_DEFS,
     GEOMETRY_STATISTICS,
@@ -205,7 +206,8 @@ b AS (
 )
 -- a null measured by fitting (Finding.null_target): the same finding on the controls stage's null target,
 -- replicate by replicate (the same resamples of the same documents)
-SELECT f.* REPLACE (CASE WHEN f.null_target <> '' THEN n.value ELSE f.null_value END AS null_value)
+SELECT f.* REPLACE (CASE WHEN f.null_target <> '' AND f.fn_class <> '{exact_class}' THEN n.value ELSE f.null_value END
+                    AS null_value)
 FROM f LEFT JOIN ({controls}) n
      ON n.control = f.null_target AND n.model = f.model AND n.config_id = f.config_id AND n.fn_class = f.fn_class
         AND n.finding = f.finding AND n.replicate = f.replicate
@@ -375,11 +377,21 @@ WITH best AS (
     FROM (SELECT model, config_id, fn_class, median(rel_err_median) AS rel_err FROM {layer_summary}
           GROUP BY model, config_id, fn_class)
     GROUP BY model, config_id
+),
+w AS (SELECT model, config_id, any_value(weights) AS weights FROM {layer_summary} GROUP BY model, config_id),
+-- the exact split (estimator 'exact'): no estimator to limit it, so no control enters its verdict
+exact AS (
+    SELECT * REPLACE ('none' AS control_role, NULL AS control_threshold_outcome, NULL AS control_outcome)
+    FROM ({exact}) WHERE value IS NOT NULL OR note IS NOT NULL
 )
-SELECT f.*, w.weights FROM {by_class} f JOIN best USING (model, config_id, fn_class)
-LEFT JOIN (SELECT model, config_id, any_value(weights) AS weights FROM {layer_summary} GROUP BY model, config_id) w
-     USING (model, config_id)
-ORDER BY model, config_id, finding
+SELECT * FROM (
+    SELECT f.*, w.weights, f.fn_class AS estimator FROM {by_class} f JOIN best USING (model, config_id, fn_class)
+    LEFT JOIN w USING (model, config_id)
+    UNION ALL BY NAME
+    SELECT e.* REPLACE ({verdict} AS verdict), w.weights, '{exact_class}' AS estimator
+    FROM exact e JOIN w USING (model, config_id)
+)
+ORDER BY model, config_id, finding, estimator = '{exact_class}'
 """
 
 # Every pair of models side by side, finding by finding (each model on its best class, every
@@ -399,7 +411,8 @@ ORDER BY model, config_id, finding
 # model's diagonal-lowrank gap in finding 5), the interval says whether the two models separate.
 ACROSS_MODELS_SQL = """
 CREATE OR REPLACE VIEW findings_across_models AS
-WITH best AS (SELECT model, config_id, fn_class, finding, value, ci_lo, ci_hi, verdict, n_layers FROM findings),
+WITH best AS (SELECT model, config_id, fn_class, finding, value, ci_lo, ci_hi, verdict, n_layers FROM findings
+              WHERE estimator <> '{exact_class}'),
 best_replicates AS (
     SELECT r.model, r.config_id, r.finding, r.replicate, r.value
     FROM finding_replicates r JOIN best USING (model, config_id, fn_class, finding)
@@ -704,7 +717,7 @@ def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str 
         stats += f" UNION ALL BY NAME SELECT * FROM {prefix}layer_replicates"
     return [*statements,
             FINDING_REPLICATES_SQL.format(name=f"{prefix}finding_replicates", stats=stats, findings=findings_select(),
-                                          controls=controls),
+                                          controls=controls, exact_class=EXACT),
             FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", replicates=f"{prefix}finding_replicates",
                                          controls=controls, jackknife_first=JACKKNIFE_FIRST,
                                          jk_value=jackknife_half_width("value"),
@@ -714,7 +727,17 @@ def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str 
                                          jk_c_diff=jackknife_half_width("f.value - c.value", "c.replicate"),
                                          **OUTCOMES_SQL),
             FINDINGS_SQL.format(name=f"{prefix}findings", by_class=f"{prefix}findings_by_class",
-                                layer_summary=f"{prefix}layer_summary")]
+                                layer_summary=f"{prefix}layer_summary", exact=exact_findings(prefix, controls),
+                                exact_class=EXACT, verdict=OUTCOMES_SQL["verdict"])]
+
+
+def exact_findings(prefix: str, controls: str) -> str:
+    """The relation of the exact split's findings in a family (its controls' `exact` rows, keyed back to
+    the configuration), or an empty one where the family has no controls."""
+    if controls == NO_CONTROLS:
+        return f"SELECT * FROM {prefix}findings_by_class WHERE false"
+    return (f"SELECT * REPLACE (split_part(config_id, '/', 1) AS config_id) FROM {prefix}{CONTROL_PREFIX}findings_by_class "
+            f"WHERE split_part(config_id, '/', 2) = '{EXACT}'")
 
 
 def sensitivity_sql() -> str:
@@ -936,7 +959,8 @@ def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[lis
               + _create_family(con, converged, "conv_", conv_controls))
     if "findings" in views:
         con.execute(ACROSS_MODELS_SQL.format(sampled=SAMPLED_SQL if "activations" in views else NO_SAMPLED_SQL,
-                                             jackknife_first=JACKKNIFE_FIRST, jk_value=jackknife_half_width("value"),
+                                             jackknife_first=JACKKNIFE_FIRST, exact_class=EXACT,
+                                             jk_value=jackknife_half_width("value"),
                                              jk_diff=jackknife_half_width("ja.value - jb.value", "ja.replicate")))
         views.append("findings_across_models")
     else:
@@ -1028,10 +1052,15 @@ def refresh(root: str | Path, db_path: Path | None = None, wait: bool = True) ->
         # only a refresh holding the lock builds: any other building file is a killed refresh's
         for stale in db_path.parent.glob(f"{glob.escape(db_path.name)}.*.building*"):
             stale.unlink(missing_ok=True)
-        with duckdb.connect(str(building)) as con:
-            views, readable = _create_views(con, root)
-        with duckdb.connect(str(building), read_only=True) as con:  # the definitions as a reader reads them back
-            definitions = _view_digest(con)
+        try:
+            with duckdb.connect(str(building)) as con:
+                views, readable = _create_views(con, root)
+            with duckdb.connect(str(building), read_only=True) as con:  # the definitions as a reader reads them back
+                definitions = _view_digest(con)
+        except BaseException:  # a full disk, an interrupt: no half-built catalog is left behind
+            for part in (building, building.with_name(building.name + ".wal")):
+                part.unlink(missing_ok=True)
+            raise
         db_path.with_name(db_path.name + ".wal").unlink(missing_ok=True)  # an old log would replay onto it
         os.replace(building, db_path)
         record = {"code_version": CODE_VERSION, "root": root_identity(root), "fingerprint": fingerprint,

@@ -79,6 +79,10 @@ SPLIT_STATISTICS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# The exact split measured as an estimator (updatelens.steps.controls.exact_tables): its class, and its rows'
+# `estimator` in the `findings` view beside the best fitted class's
+EXACT = "exact"
+
 # Jackknife replicate g of the effective ranks is stored as replicate JACKKNIFE_FIRST - g (-2, -3, ...), beside
 # the bootstrap's 0 .. bootstrap-1 and the point estimate's -1 (the engine writes them, the catalog reads them)
 JACKKNIFE_FIRST = -2
@@ -116,7 +120,8 @@ class Finding:
     # "none": no control measures it (a KL needs patched passes the controls do not make).
     control_role: str = "floor"
     # the null measured by fitting: the controls stage's target (updatelens.steps.controls) whose value of
-    # this same finding, resample by resample, is its null (the `null` expression is then unused: NULL)
+    # this same finding, resample by resample, is a fitted class's null (the `null` expression then serves
+    # the exact split, which has no fits)
     null_target: str = ""
     # how the 95% intervals are read from the replicates: "percentile" (the 2.5% and 97.5% quantiles of
     # the bootstrap resamples) or "jackknife" (point +- t * the delete-a-group jackknife's standard error
@@ -135,6 +140,8 @@ UNRELATED = ("the same finding by the same fits (classes, neighbours) on the nul
              "update of a token of another document (x + Δ_other), which keeps the layer's updates, their mean and "
              "shape, and has no relation to x: what the estimator reports when there is nothing tokenwise to find "
              "(the controls stage's `unrelated` target)")
+EXACT_NULL = ("; on the exact split (estimator `exact`, no fits), each token's Δ_full against the tokenwise update "
+              "of a token of another document")
 MIDDLE_GAP = ("avg(CASE WHEN {m} THEN rel_err_median END) - avg(CASE WHEN NOT ({m}) THEN rel_err_median END)")
 EDGE = "({layer} < 2 OR {layer} >= n_layers - 2)"  # the two first and two last layers of the model
 INNER_GAP = ("avg(CASE WHEN {m} THEN rel_err_median END) "
@@ -144,11 +151,12 @@ FINDINGS: tuple[Finding, ...] = (
     Finding("1", "the full update is aligned with the tokenwise update",
             "median over layers of median cos(Δ_full, Δ_tok), update form", "median(cos_full_tok_median)", ">=", 0.9,
             "the paper says 'almost perfectly aligned (cosine near 1)'; 0.9 (about 26°) is UpdateLens's reading",
-            "CAST(NULL AS DOUBLE)", UNRELATED, control_role="positive", null_target="unrelated"),
+            "median(cos_full_tok_median_null)", UNRELATED + EXACT_NULL, control_role="positive",
+            null_target="unrelated"),
     Finding("1 map", "the full update is aligned with the tokenwise update",
             "median over layers of median cos(y, T(x)), map form", "median(cos_full_tok_map_median)", ">=", 0.9,
             "as finding 1, under the map-form convention",
-            "CAST(NULL AS DOUBLE)", UNRELATED.replace("Δ_tok", "T(x)"), control_role="positive",
+            "median(cos_full_tok_map_median_null)", UNRELATED + EXACT_NULL.replace("Δ_full", "y"), control_role="positive",
             null_target="unrelated"),
     Finding("2 angle", "the residual deviates by large angles",
             "mean over layers of the share of tokens with angle(Δ_full, r) > 60°", "avg(frac_res_angle_gt60)",

@@ -106,6 +106,16 @@ def null_metrics(dec: Decomposition, null: Decomposition, x: np.ndarray, sub: Su
     return out
 
 
+def unrelated_alignment(dec: Decomposition, x: np.ndarray, partners: np.ndarray) -> dict[str, np.ndarray]:
+    """Finding 1's null where the tokenwise part is exact (the exact split: no estimator to refit): each
+    token's full update against the tokenwise update of a token of another document (`partners`, rows
+    of the same block), in update and map form: cos(Δ_full_i, Δ_tok_j) and cos(y_i, x_i + Δ_tok_j)."""
+    x64 = np.asarray(x, np.float64)
+    other = dec.delta_tok[partners]
+    return {"cos_full_tok_null": cosine(dec.delta_full, other),
+            "cos_full_tok_map_null": cosine(x64 + dec.delta_full, x64 + other)}
+
+
 @dataclass
 class Subspace:
     basis: np.ndarray  # [d, d] right singular vectors of the stacked Δ_tok, columns by energy

@@ -321,7 +321,7 @@ def test_a_control_lost_or_out_of_range_fails_the_controls_check(zoo: Path, tmp_
     result, _ = run(zoo, tmp_path)
     evaluation = evaluations(result)["controls_valid"]
     assert not evaluation.passed
-    assert ("controls stored ['linear', 'unrelated'], expected ['linear', 'self_first', 'unrelated']"
+    assert ("controls stored ['exact', 'linear', 'unrelated'], expected ['exact', 'linear', 'self_first', 'unrelated']"
             in evaluation.description), evaluation.description
     assert "linear: " in evaluation.description and "out_of_range" in evaluation.description, evaluation.description
 

@@ -366,3 +366,31 @@ def test_findings_1_take_their_null_from_the_null_target_resample_by_resample(tm
     for row in rows:
         assert abs(row["diff_ci_lo"] - 0.2) < 1e-9 and abs(row["diff_ci_hi"] - 0.2) < 1e-9
         assert row["null_outcome"] == "beyond" and row["control"] == "self_first"  # a null, not the control
+
+
+def test_the_exact_split_is_its_own_estimator_row_in_the_findings(tmp_path: Path) -> None:
+    """The controls stage's `exact` rows (the real layer with y_ctl in the place of a fit) render as the
+    `findings` view's estimator 'exact' beside the best fitted class: the same finding code on its rows,
+    and no control in its verdict (it has no estimator whose limit a control would show)."""
+    fixture(tmp_path)
+    replicate_fixture(tmp_path)
+    for table in ("geometry", "spectra", "geometry_bootstrap"):
+        for layer in range(LAYERS):
+            real = catalog.query(tmp_path, f"SELECT * FROM {table} WHERE layer = $1 AND fn_class = 'lowrank'",
+                                 [layer]).to_arrow()
+            exact = real.set_column(real.schema.get_field_index("fn_class"), "fn_class", pa.array(["exact"] * len(real)))
+            write_partition(tmp_path, f"control_{table}", "m", layer,
+                            exact.add_column(1, "control", pa.array(["exact"] * len(exact))))
+    rows = catalog.query(tmp_path, "SELECT * FROM findings").to_dicts()
+    fitted = {r["finding"]: r for r in rows if r["estimator"] != "exact"}
+    exact = {r["finding"]: r for r in rows if r["estimator"] == "exact"}
+    assert all(r["estimator"] == r["fn_class"] == "lowrank" for r in fitted.values())
+    # the geometric findings (no KL and no class comparison on the split: 4 and 5 are not measured on it)
+    assert set(exact) == set(fitted) - {"4", "4 norm", "4 direction", "5"}
+    for finding, row in exact.items():
+        assert row["fn_class"] == "exact" and row["control_role"] == "none" and row["control_outcome"] is None
+        assert row["verdict"] not in ("estimator-limited", "no control")
+        if row["value"] is not None:  # the same numbers, the same value
+            assert row["value"] == pytest.approx(fitted[finding]["value"], rel=1e-12), finding
+    # finding 1's null: a fitted class's comes from the null target (not stored here), the split's from its rows
+    assert fitted["1"]["null_value"] is None and exact["1"]["null_value"] is not None

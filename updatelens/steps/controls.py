@@ -30,7 +30,8 @@ import numpy as np
 import pyarrow as pa
 
 from updatelens.config import AnalysisConfig
-from updatelens.fits import fit_layer
+from updatelens.findings import EXACT
+from updatelens.fits import LayerFit, fit_layer
 from updatelens.schemas import empty_table
 from updatelens.stages import BY_NAME
 from updatelens.steps.context_split import context_split_tables
@@ -63,6 +64,8 @@ def linear_target(x: np.ndarray, y: np.ndarray, doc: np.ndarray, ridge: float) -
 
 
 NULL_TARGET = "unrelated"  # the findings' fitted null (updatelens.findings.Finding.null_target)
+# the exact split measured as an estimator (findings.EXACT): the real layer, with the self-and-first output in
+# the place of T(x) (Δ_tok = Δ_ctl, r = a, what attention to the context adds), its class and control so named
 
 
 def unrelated_partners(doc: np.ndarray, seed: int) -> np.ndarray:
@@ -96,7 +99,7 @@ def control_targets(data: LayerData, y_ctl: np.ndarray | None, cfg: AnalysisConf
     others hold y, never read), then the null target `unrelated`. `y_ctl`: the stored self-and-first
     outputs [n_seq, T, d], None where the architecture has none: the linear control then stands in for it."""
     out: dict[str, np.ndarray] = {}
-    for control in made_targets(cfg.positive_controls, y_ctl is not None):
+    for control in [*made_controls(cfg.positive_controls, y_ctl is not None), NULL_TARGET]:
         if control == "self_first":
             if y_ctl is not None:
                 out[control] = y_ctl
@@ -113,8 +116,20 @@ def control_targets(data: LayerData, y_ctl: np.ndarray | None, cfg: AnalysisConf
 
 
 def made_targets(asked: tuple[str, ...], has_self_first: bool) -> list[str]:
-    """The controls stage's targets: the positive controls made for `asked`, then the null target."""
-    return [*made_controls(asked, has_self_first), NULL_TARGET]
+    """What the controls stage measures: the positive controls made for `asked`, the null target, and
+    the exact split where the self-and-first output was captured."""
+    return [*made_controls(asked, has_self_first), NULL_TARGET, *([EXACT] if has_self_first else [])]
+
+
+def exact_tables(data: LayerData, y_ctl: np.ndarray, cfg: AnalysisConfig,
+                 prov: Provenance) -> tuple[pa.Table, pa.Table, pa.Table]:
+    """The real layer measured by the geometry stage's code with the self-and-first output in the place of
+    a fit (class `exact`): every geometric finding on the exact split, with its nulls: finding 1's pairs
+    each token's full update with another document's tokenwise update (the fits' null target, without
+    fits), the others are the geometry's own (the residual a turned to a direction of the layer's shape)."""
+    n = len(data.seq)
+    fit = LayerFit(EXACT, y_ctl[data.kept].astype(np.float64), np.ones(n), np.zeros(n, bool))
+    return geometry_tables(data, {EXACT: fit}, cfg, prov, partners=unrelated_partners(data.doc, cfg.seed))
 
 
 def made_controls(asked: tuple[str, ...], has_self_first: bool) -> list[str]:
@@ -155,6 +170,9 @@ def control_layer_tables(data: LayerData, y_ctl: np.ndarray | None, neighbours: 
         for name, part in zip(MEASURED_TABLES, tables):
             made[name].append(part)
     if y_ctl is not None:
+        for name, part in zip(MEASURED_TABLES, exact_tables(data, y_ctl, cfg, prov)):
+            made[name].append(_with_control(part, EXACT))
+        log(f"layer {data.layer}: the exact split measured")
         for name, part in zip(SPLIT_TABLES, context_split_tables(data, y_ctl, cfg, prov)):
             made[name].append(part)
     return {name: pa.concat_tables(parts) if parts else empty_table(name, cfg) for name, parts in made.items()}

@@ -27,6 +27,7 @@ from updatelens.geometry import (
     spectrum_from_gram,
     subspace_from_gram,
     token_metrics,
+    unrelated_alignment,
     update_shape,
 )
 from updatelens.steps.layer import LayerData, random_directions, resample_counts, resample_units, sample_docs
@@ -49,10 +50,13 @@ class LayerGeometry:
     `spectra_table` and `bootstrap_table` once at the end."""
 
     def __init__(self, cfg: AnalysisConfig, classes: list[str], d: int, docs: np.ndarray,
-                 null_spectra: bool = True) -> None:
+                 null_spectra: bool = True, partners: np.ndarray | None = None) -> None:
         """`null_spectra`: also the spectra of the null's Δ_full and r (finding 3's null); a positive
-        control, whose null no verdict reads, leaves them out (their ranks are NaN)."""
+        control, whose null no verdict reads, leaves them out (their ranks are NaN). `partners` (the
+        exact split, one block): finding 1's null columns pair each token with another document's
+        tokenwise update (`unrelated_alignment`) instead of the random-direction residual."""
         self.cfg = cfg
+        self.partners = partners
         self.counts = resample_counts(cfg, docs)
         self.jackknife = jackknife_counts(resample_units(cfg, docs), cfg.jackknife_groups, cfg.seed)
         self.which = WHICH + NULL_WHICH if null_spectra else WHICH
@@ -94,6 +98,10 @@ class LayerGeometry:
             metrics = token_metrics(data.x, data.y, fit.tx, dec)
             metrics.update(projection_metrics(dec, sub, self.cfg.subspace_ms))
             metrics.update(null_metrics(dec, null, data.x, sub, NULL_M))
+            if self.partners is not None:
+                if len(self.partners) != len(fit.tx):
+                    raise ValueError("paired nulls need the whole layer in one block")
+                metrics.update(unrelated_alignment(dec, data.x, self.partners))
             n = len(fit.tx)
             cols: dict[str, pa.Array] = {
                 "fn_class": pa.array([fn_class] * n),
@@ -151,10 +159,12 @@ class LayerGeometry:
 
 
 def geometry_tables(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConfig,
-                    prov: Provenance, null_spectra: bool = True) -> tuple[pa.Table, pa.Table, pa.Table]:
+                    prov: Provenance, null_spectra: bool = True,
+                    partners: np.ndarray | None = None) -> tuple[pa.Table, pa.Table, pa.Table]:
     """Per-token geometry, the per-layer singular spectra of Δ_full, Δ_tok and r, and the per-layer
-    statistics of the findings on every bootstrap resample of the sequences: a whole layer in memory."""
-    geo = LayerGeometry(cfg, list(fits), data.x_full.shape[-1], sample_docs(data), null_spectra)
+    statistics of the findings on every bootstrap resample of the sequences: a whole layer in memory.
+    `partners`: see LayerGeometry."""
+    geo = LayerGeometry(cfg, list(fits), data.x_full.shape[-1], sample_docs(data), null_spectra, partners)
     geo.accumulate(data, fits)
     geo.finish()
     tokens = geo.token_table(data, fits, prov)
