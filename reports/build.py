@@ -306,7 +306,8 @@ def build_model_report(root: Path, model: str, config_id: str | None = None) -> 
                                                                      f"(95% bootstrap intervals over sequences)")
     summary_cols = ["layer", "fn_class", "n_tokens", "rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median",
                     "frac_res_angle_gt60", "proj_full_m16", "proj_tok_m16", "proj_res_m16", "m90_tok", "kl_mean",
-                    "spearman_relerr_kl", "kl_mean_random_control", "kl_mean_crude_control", "kl_ratio_random",
+                    "spearman_relerr_kl", "kl_mean_random_control", "kl_mean_crude_control", "kl_mean_context",
+                    "spearman_ctx_kl", "kl_ratio_random",
                     "kl_later_mean", "spearman_kl_later"]
     config = json.loads(prov["config_json"])
 

@@ -174,7 +174,10 @@ def controls(summary: pl.DataFrame, title: str) -> Figure:
                 label=f"{fn_class}: residual removed")
     primary = summary.filter(pl.col("kl_mean_random_control").is_not_null()).sort("layer")
     for column, style, label in (("kl_mean_random_control", "k--", "random direction, same norm"),
-                                 ("kl_mean_crude_control", "k:", "cruder tokenwise part, same residual")):
+                                 ("kl_mean_crude_control", "k:", "cruder tokenwise part, same residual"),
+                                 ("kl_mean_context", "g-.", "the context's part a removed (y -> y_ctl)")):
+        if column not in primary.columns:
+            continue
         rows = primary.filter(pl.col(column).is_not_null())
         if len(rows):
             ax.plot(rows["layer"].to_numpy(), rows[column].to_numpy(), style, label=label)

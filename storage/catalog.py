@@ -109,6 +109,8 @@ SELECT model, layer, fn_class, config_id,
        max(CASE WHEN variant = 'patch' THEN spearman_normres_kl END) AS spearman_normres_kl,
        max(CASE WHEN variant = 'random' THEN kl_mean END) AS kl_mean_random_control,
        max(CASE WHEN variant = 'crude' THEN kl_mean END) AS kl_mean_crude_control,
+       max(CASE WHEN variant = 'context' THEN kl_mean END) AS kl_mean_context,
+       max(CASE WHEN variant = 'context' THEN spearman_normres_kl END) AS spearman_ctx_kl,
        max(CASE WHEN variant = 'random' THEN spearman_relerr_kl END) AS spearman_relerr_kl_null,
        max(CASE WHEN variant = 'random' THEN spearman_normres_kl END) AS spearman_normres_kl_null,
        max(CASE WHEN variant = 'patch' THEN kl_ratio_random END) AS kl_ratio_random,
@@ -120,7 +122,8 @@ GROUP BY model, layer, fn_class, config_id
 """
 
 FUNCTIONAL_COLUMNS = ("kl_mean", "kl_median", "spearman_relerr_kl", "spearman_normres_kl",
-                      "kl_mean_random_control", "kl_mean_crude_control", "spearman_relerr_kl_null",
+                      "kl_mean_random_control", "kl_mean_crude_control", "kl_mean_context", "spearman_ctx_kl",
+                      "spearman_relerr_kl_null",
                       "spearman_normres_kl_null", "kl_ratio_random", "kl_later_mean", "kl_at_mean_on_later",
                       "spearman_kl_later")
 

@@ -24,7 +24,9 @@ DTYPES = ("float64", "float32")
 # exact: every position's effect when it alone is patched (one pass of the unpatched and patched
 # streams); all: every position patched at once; single: one position per pass on a subsample
 PATCH_MODES = ("auto", "exact", "all", "single")
-CONTROLS = ("random", "crude", "identity")
+# context: y replaced by the self-and-first output y_ctl (the exact split's part a removed: what attention to
+# the context adds), where the activations hold it (attention models)
+CONTROLS = ("random", "crude", "identity", "context")
 # positive controls (docs/method.md, "Positive controls"): targets that are tokenwise by construction,
 # fitted and measured like the real update on the same neighbours. self_first: block l run with each
 # token attending to itself and the window's first position (attention architectures); linear: a ridge map x -> x + xB fitted to
@@ -122,7 +124,7 @@ class AnalysisConfig:
     # the control and the later effects (bench/records/calibration_cost-later_positions2-smollm2-135m.json)
     later_positions: int = setting(1, minimum=0, help="positions per sequence whose effect on later positions is "
                                                       "measured (0: none)")
-    controls: tuple[str, ...] = setting(("random", "crude"), choices=CONTROLS, what="control",
+    controls: tuple[str, ...] = setting(("random", "crude", "context"), choices=CONTROLS, what="control",
                                         help="the functional controls, each a patched pass")
     control_class: str = setting("", help="class whose residual the controls use (empty: the last class listed)")
     crude_class: str = setting("diagonal", help="the crude control's class")

@@ -152,7 +152,9 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
         body = [FN_CLASS, REPLICATE, *_bootstrap_geometry()]
     elif table == "functional_metrics":
         body = [FN_CLASS, _c("variant", STR, "the patch: tokenwise (T(x)), random (same-size random "
-                                             "perturbation), crude (a cruder class), identity"),
+                                             "perturbation in the residuals' shape), crude (a cruder class), "
+                                             "identity, context (y -> y_ctl: the exact split's a removed; its "
+                                             "rel_err and norm_res are ||a|| / ||Δ_full|| and ||a||)"),
                 _c("patch_mode", STR, "exact: every position's single-position effect in one pass; "
                                       "single: one position patched per pass; all: every position at once"),
                 SEQ, POS, _c("kl", F64, "KL(original || patched) of the next-token distribution at the token's "

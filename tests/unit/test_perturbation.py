@@ -3,6 +3,8 @@ equals a plain full forward with a hook that replaces block l's output."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pyarrow.compute as pc
 import pytest
@@ -27,6 +29,7 @@ from updatelens.steps.activations import provenance
 from updatelens.steps.functional_metrics import (
     build_variants,
     functional_bootstrap_table,
+    functional_rows,
     functional_tables,
     later_positions,
     patched_pass_count,
@@ -349,3 +352,33 @@ def test_the_random_move_is_drawn_in_the_shape_of_the_residuals() -> None:
     block_fit = LayerFit("lowrank", tx[rows], np.ones(2 * t), np.zeros(2 * t, bool))
     (again,) = [v for v in build_variants(block, {"lowrank": block_fit}, cfg, shape) if v.name == "random"]
     np.testing.assert_allclose(again.state[kept[2:4]], random.state[kept][rows], rtol=1e-6, atol=1e-6)
+
+
+def test_the_context_control_removes_the_exact_splits_context_part(tiny_models: dict) -> None:
+    """controls=context: the state y -> y_ctl at kept positions (the part a that attention to the context
+    adds, removed), its rows' error being a's (rel_err ||a|| / ||Δ_full||, norm_res ||a||); y_ctl = y gives
+    KL 0; no y_ctl captured (Mamba): no context variant."""
+    lm = tiny_models["tiny-gpt2"]
+    ids, cap = setup(lm, n=4, t=10)
+    cfg = AnalysisConfig(n_seq=4, seq_len=10, k=5, controls=("context",), patch_mode="all")
+    kept = kept_mask(np.ones_like(ids), True)
+    layer = 1
+    y_full = cap.states[layer + 1]
+    y_ctl = y_full + 0.1 * np.random.default_rng(0).normal(size=y_full.shape).astype(np.float32)
+    data = LayerData(layer, ids, kept, cap.states[layer], y_full, y_ctl_full=y_ctl)
+    fits = fake_fits(cap, layer, kept, 0.3)
+    (context,) = [v for v in build_variants(data, fits, cfg) if v.name == "context"]
+    np.testing.assert_allclose(context.state[kept], y_ctl[kept], rtol=1e-6)
+    orig = original_output(lm, ids, 4)
+    rows = {(str(r["variant"]), str(r["fn_class"])): r for r in functional_rows(lm, data, fits, orig, cfg)}
+    row = rows[("context", cfg.primary_class)]
+    a = np.linalg.norm(y_full[kept].astype(np.float64) - y_ctl[kept], axis=1)
+    full = np.linalg.norm(y_full[kept].astype(np.float64) - cap.states[layer][kept], axis=1)
+    np.testing.assert_allclose(row["norm_res"], a, rtol=1e-5)
+    np.testing.assert_allclose(row["rel_err"], a / full, rtol=1e-5)
+    assert np.all(np.asarray(row["kl"]) > 0)
+    same = dataclasses.replace(data, y_ctl_full=y_full.copy())
+    (none,) = [r for r in functional_rows(lm, same, fits, orig, cfg) if r["variant"] == "context"]
+    assert np.max(np.asarray(none["kl"])) < 1e-6  # nothing removed: the model's own output
+    without = dataclasses.replace(data, y_ctl_full=None)
+    assert [v.name for v in build_variants(without, fits, cfg)] == ["patch", "patch"]

@@ -39,7 +39,7 @@ from updatelens.tables import Provenance, with_provenance
 def control_plan(cfg: AnalysisConfig) -> list[str]:
     """The controls that get a patched pass of their own, in the order they are measured (the crude
     control needs a crude class other than the primary one)."""
-    return [name for name in ("random", "crude", "identity") if name in cfg.controls
+    return [name for name in ("random", "crude", "identity", "context") if name in cfg.controls
             and not (name == "crude" and cfg.crude_class == cfg.primary_class)]
 
 
@@ -79,6 +79,10 @@ def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConf
             state = scatter(y + norm_res[:, None] * shaped_directions(random_directions(data, cfg.seed), shape))
         elif name == "crude":
             state = scatter(data.y + (fits[cfg.crude_class].tx - primary.tx))
+        elif name == "context":  # the exact split's a removed: y -> y_ctl (not made where y_ctl was not captured)
+            if data.y_ctl_full is None:
+                continue
+            state = scatter(data.y_ctl_full[data.kept])
         else:  # identity
             state = data.y_full.astype(np.float64)
         variants.append(Variant(name, cfg.primary_class, state))
@@ -152,8 +156,12 @@ def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit],
         later[chosen[:, 0], chosen[:, 1]] = total
     out: FunctionalRows = []
     for variant, kl_grid in zip(variants, kls):
-        fit = fits[variant.fn_class]
-        err = token_metrics(data.x[rows_in_kept], data.y[rows_in_kept], fit.tx[rows_in_kept])
+        # the error that goes with the KL: the fit's residual; for the context control, a (y - y_ctl)
+        tx = fits[variant.fn_class].tx
+        if variant.name == "context":
+            assert data.y_ctl_full is not None, "the context control is made only where y_ctl was captured"
+            tx = data.y_ctl_full[data.kept]
+        err = token_metrics(data.x[rows_in_kept], data.y[rows_in_kept], tx[rows_in_kept])
         raw = kl_grid[seq_idx, pos_idx]
         main_patch = variant.name == "patch" and variant.fn_class == cfg.primary_class
         out.append({"fn_class": variant.fn_class, "variant": variant.name, "patch_mode": mode,
