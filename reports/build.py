@@ -323,7 +323,9 @@ def build_model_report(root: Path, model: str, config_id: str | None = None) -> 
             "".join(f"<p><i>{html.escape(n)}</i></p>" for n in notes),
             "<h2>Findings</h2><p>Each of the paper's findings (docs/method.md in the repository) measured on this "
             "model, on the class with "
-            "the lowest median relative error, with the threshold that decides whether it holds, its 95% bootstrap "
+            "the lowest median relative error and, where the model has attention, on the exact split (class "
+            "<code>exact</code>: the self-and-first output in the place of a fit, no estimator), with the threshold "
+            "that decides whether it holds, its 95% bootstrap "
             "interval (<code>ci_lo</code>, <code>ci_hi</code>), and its null: what the same measure gives where "
             "the claimed structure is absent (<code>null_source</code>), with its own interval, and its tokenwise "
             "control: the same measure when the truth is tokenwise by construction (the block with each token "

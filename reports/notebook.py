@@ -47,7 +47,8 @@ def _(catalog, mo, model, root):
     weights = findings["weights"][0] if len(findings) else "unknown"
     findings_html = f"<style>{TABLE_STYLE}</style>" + html_table(findings_summary(findings))
     mo.vstack([mo.md(f"## Do the paper's claims hold?\nConfiguration `{config}`; the model ran with {weights}. "
-                     "Each finding on the best class, with its 95 % interval over documents, its null (what the "
+                     "Each finding on the best class (and on the exact split, class `exact`), with its 95 % interval "
+                     "over documents, its null (what the "
                      "same measure gives without the claimed structure) and its positive control (the same "
                      "measure when the truth is tokenwise by construction). `estimator-limited`: the value does not "
                      "clear and a tokenwise target does not either, so the estimator cannot show the structure at "
