@@ -201,42 +201,30 @@ FULL_DISK_SIGNS = ("no space left on device", "database or disk is full", "disk 
                    "file too large")
 
 
-def _causes(exc: BaseException) -> list[BaseException]:
-    """`exc` and what caused it, in order (each once)."""
-    out: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and all(current is not seen for seen in out):
-        out.append(current)
-        current = current.__cause__ or current.__context__
-    return out
-
-
-def disk_full(exc: BaseException) -> str | None:
-    """What could not be written, when `exc` (or its cause: an OSError under a DuckDB, SQLite, SQLAlchemy
-    or Parquet error) says the disk is full, over quota or failing; None for anything else."""
-    for current in _causes(exc):
-        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            return f"{current.strerror}: {current.filename}" if current.filename else str(current.strerror)
-        text = str(current).strip()
-        if any(sign in text.lower() for sign in FULL_DISK_SIGNS):
-            return (text.splitlines() or [type(current).__name__])[0][:200]
-    return None
-
-
-def cannot_write(exc: BaseException) -> str | None:
-    """What could not be written, when `exc` (or what caused it: an OSError under a DuckDB, SQLite or
-    SQLAlchemy error) says a file or folder is read-only or not ours to write; None for anything else."""
+def _write_failure(exc: BaseException, errnos: tuple[int, ...], signs: tuple[str, ...]) -> str | None:
+    """What could not be written, when `exc` or what caused it (an OSError under a DuckDB, SQLite,
+    SQLAlchemy or Parquet error) is an OSError with one of `errnos`, or says one of `signs`; else None."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        if isinstance(current, OSError) and current.errno in errnos:
             return f"{current.strerror}: {current.filename}" if current.filename else str(current.strerror)
-        text = str(current).lower()
-        if any(sign in text for sign in READ_ONLY_SIGNS):
-            return str(current).strip().splitlines()[0][:200]
+        text = str(current).strip()
+        if any(sign in text.lower() for sign in signs):
+            return text.splitlines()[0][:200]
         current = current.__cause__ or current.__context__
     return None
+
+
+def disk_full(exc: BaseException) -> str | None:
+    """What could not be written because the disk is full, over quota or failing; None otherwise."""
+    return _write_failure(exc, (errno.ENOSPC, errno.EDQUOT, errno.EFBIG), FULL_DISK_SIGNS)
+
+
+def cannot_write(exc: BaseException) -> str | None:
+    """What could not be written because a file or folder is read-only or not ours to write; None otherwise."""
+    return _write_failure(exc, (errno.EROFS, errno.EACCES, errno.EPERM), READ_ONLY_SIGNS)
 
 
 if __name__ == "__main__":

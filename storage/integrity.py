@@ -349,13 +349,14 @@ def layer_runs(root: str | Path, model: str, layer: int, tables: tuple[str, ...]
     return runs
 
 
-def stored_revisions(root: str | Path, model: str, tables: tuple[str, ...]) -> dict[str, list[int]]:
+def stored_revisions(root: str | Path, model: str, tables: tuple[str, ...],
+                     stored: dict[tuple[str, int], set[str]] | None = None) -> dict[str, list[int]]:
     """{model_revision: its layers} over the manifests of a model's stored partitions with rows: the
     weights each layer's rows were made with (models.recorded_revision, its fingerprint). More than one
     key: the root holds two models' results under one name. A manifest from before revisions were
-    recorded counts as '' (unknown)."""
+    recorded counts as '' (unknown). `stored`: `stored_layers(root, tables)`, where the caller has it."""
     found: dict[str, set[int]] = {}
-    for (stored_model, layer), have in stored_layers(root, tables).items():
+    for (stored_model, layer), have in (stored if stored is not None else stored_layers(root, tables)).items():
         if stored_model != model:
             continue
         for table in have:
@@ -367,9 +368,11 @@ def stored_revisions(root: str | Path, model: str, tables: tuple[str, ...]) -> d
 
 def mixed_weights(root: str | Path, tables: tuple[str, ...]) -> dict[str, dict[str, list[int]]]:
     """{model: {model_revision: layers}} for every model whose stored rows come from more than one set
-    of weights under its one name (`stored_revisions`)."""
-    models = sorted({model for model, _ in stored_layers(root, tables)})
-    return {model: revisions for model in models if len(revisions := stored_revisions(root, model, tables)) > 1}
+    of weights under its one name (`stored_revisions`); the root's files listed once for all models."""
+    stored = stored_layers(root, tables)
+    models = sorted({model for model, _ in stored})
+    return {model: revisions for model in models
+            if len(revisions := stored_revisions(root, model, tables, stored)) > 1}
 
 
 def stored_layers(root: str | Path, tables: tuple[str, ...]) -> dict[tuple[str, int], set[str]]:
