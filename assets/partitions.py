@@ -19,9 +19,11 @@ PARTITION_NAME_TAG = "dagster/partition"
 ASSET_PARTITION_RANGE_START_TAG = "dagster/asset_partition_range_start"
 ASSET_PARTITION_RANGE_END_TAG = "dagster/asset_partition_range_end"
 
-MODEL_LAYER = dg.DynamicPartitionsDefinition(name="model_layer")
+MODEL_LAYER_KEY = "model_layer"  # the partitions definitions' names (typed str, unlike their .name)
+MODEL_LAYER = dg.DynamicPartitionsDefinition(name=MODEL_LAYER_KEY)
 # One key per model (its slug): the per-model assets (report, convention sweep) read all its layers.
-MODELS = dg.DynamicPartitionsDefinition(name="models")
+MODELS_KEY = "models"
+MODELS = dg.DynamicPartitionsDefinition(name=MODELS_KEY)
 
 
 def layer_key(model: str, layer: int) -> str:

@@ -11,13 +11,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from updatelens.assets.partitions import (
-    MODEL_LAYER,
-    MODELS,
-    model_keys,
-    parse_key,
-    range_tags,
-)
+from updatelens.assets.partitions import MODEL_LAYER_KEY, MODELS_KEY, model_keys, parse_key, range_tags
 from updatelens.assets.pipeline import ASSETS
 from updatelens.assets.reports import comparison_report, report
 from updatelens.assets.resources import UpdateLensResource
@@ -85,20 +79,20 @@ def register_model(instance: dg.DagsterInstance, model: str, n_layers: int) -> l
     keys scattered (or of another depth), they are removed and added again at the end.
     """
     wanted = model_keys(model, n_layers)
-    existing = list(instance.get_dynamic_partitions(MODEL_LAYER.name))
+    existing = list(instance.get_dynamic_partitions(MODEL_LAYER_KEY))
     mine = [k for k in existing if parse_key(k)[0] == model]
     if mine == wanted and existing[existing.index(wanted[0]) : existing.index(wanted[0]) + n_layers] == wanted:
         return wanted
     for key in mine:
-        instance.delete_dynamic_partition(MODEL_LAYER.name, key)
-    instance.add_dynamic_partitions(MODEL_LAYER.name, wanted)
+        instance.delete_dynamic_partition(MODEL_LAYER_KEY, key)
+    instance.add_dynamic_partitions(MODEL_LAYER_KEY, wanted)
     return wanted
 
 
 def register_model_key(instance: dg.DagsterInstance, model: str) -> None:
     """The model's key of the per-model assets (report, convention sweep)."""
-    if not instance.has_dynamic_partition(MODELS.name, model):
-        instance.add_dynamic_partitions(MODELS.name, [model])
+    if not instance.has_dynamic_partition(MODELS_KEY, model):
+        instance.add_dynamic_partitions(MODELS_KEY, [model])
 
 
 def contiguous_ranges(layers: Sequence[int]) -> list[list[int]]:

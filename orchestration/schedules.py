@@ -7,7 +7,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from updatelens.assets.partitions import MODEL_LAYER, parse_key
+from updatelens.assets.partitions import MODEL_LAYER_KEY, parse_key
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.orchestration.jobs import analyse_job
 from updatelens.orchestration.sensors import stale_run_requests
@@ -22,7 +22,7 @@ RERUN_CRON = os.environ.get("UPDATELENS_RERUN_CRON", "0 3 * * 0")  # weekly, Sun
                          "alone. Cron: $UPDATELENS_RERUN_CRON (default weekly, Sunday 03:00).")
 def stale_partitions_schedule(context: dg.ScheduleEvaluationContext, lens: UpdateLensResource):
     registered: dict[str, int] = {}
-    for key in context.instance.get_dynamic_partitions(MODEL_LAYER.name):
+    for key in context.instance.get_dynamic_partitions(MODEL_LAYER_KEY):
         model, layer = parse_key(key)
         registered[model] = max(registered.get(model, 0), layer + 1)
     tick = context.scheduled_execution_time.isoformat()

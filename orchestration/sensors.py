@@ -3,13 +3,16 @@ assets' declarative automation, and the reports after an analysis."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import dagster as dg
 
 from updatelens.assets.partitions import (
     MODEL_LAYER,
+    MODEL_LAYER_KEY,
     MODELS,
+    MODELS_KEY,
     model_keys,
     parse_key,
     range_tags,
@@ -24,6 +27,17 @@ from updatelens.orchestration.registry_watch import fingerprint, registry_change
 from updatelens.preflight import estimate_bytes
 from updatelens.stages import STAGE_NAMES
 from updatelens.versions import stage_versions
+
+INTERVAL_ENV = "UPDATELENS_SENSOR_INTERVAL_S"
+
+
+def sensor_interval() -> int:
+    """Seconds between evaluations of stage automation and of the reports sensor: 30, or the
+    deployment's UPDATELENS_SENSOR_INTERVAL_S (a positive whole number)."""
+    text = os.environ.get(INTERVAL_ENV, "30")
+    if not text.isdigit() or int(text) < 1:
+        raise UpdateLensError(f"{INTERVAL_ENV}={text!r}: must be a positive whole number of seconds")
+    return int(text)
 
 
 def stale_run_requests(lens: UpdateLensResource, model: str, n_layers: int, run_key: str) -> list[dg.RunRequest]:
@@ -72,8 +86,8 @@ def cost_estimate(lens: UpdateLensResource, model: str, n_partitions: int, width
                        "was handled, so a daemon restart requests nothing twice.")
 def model_registry_sensor(context: dg.SensorEvaluationContext, lens: UpdateLensResource) -> dg.SensorResult:
     changes = registry_changes(Path(lens.registry), context.cursor)
-    existing = set(context.instance.get_dynamic_partitions(MODEL_LAYER.name))
-    existing_models = set(context.instance.get_dynamic_partitions(MODELS.name))
+    existing = set(context.instance.get_dynamic_partitions(MODEL_LAYER_KEY))
+    existing_models = set(context.instance.get_dynamic_partitions(MODELS_KEY))
     first = context.cursor is None
     partition_requests, run_requests, events, skipped, waiting = [], [], [], [], []
     for entry in changes.added:
@@ -140,7 +154,7 @@ def model_keys_of(request: dg.RunRequest) -> list[str]:
 # automation sensor): new partitions run as one backfill, so a model's layers share one run.
 stage_automation_sensor = dg.AutomationConditionSensorDefinition(
     "stage_automation", target=dg.AssetSelection.assets(*STAGE_NAMES), default_status=dg.DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=30,
+    minimum_interval_seconds=sensor_interval(),
     description="Declarative automation of the stages: each follows its upstream's updates. Missing partitions are "
                 "launched by the registry sensor or by someone, never by this sensor.")
 
@@ -172,7 +186,7 @@ def analysed_stages(run: dg.DagsterRun) -> bool:
 
 
 @dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, request_jobs=[report_job, comparison_job],
-                      default_status=dg.DefaultSensorStatus.RUNNING,
+                      minimum_interval_seconds=sensor_interval(), default_status=dg.DefaultSensorStatus.RUNNING,
                       description="After any run that materialized a stage succeeds (the analyse job, a stage job, "
                                   "the UI's Materialize button, automation, a backfill): rebuild the reports of the "
                                   "models it covered, then the comparison across models (from stored results, no "
@@ -184,10 +198,10 @@ def reports_after_analysis(context: dg.RunStatusSensorContext) -> list[dg.RunReq
     models = models_of_run(dict(run.tags))
     if not models:
         return []
-    existing = set(context.instance.get_dynamic_partitions(MODELS.name))
+    existing = set(context.instance.get_dynamic_partitions(MODELS_KEY))
     new = [m for m in models if m not in existing]
     if new:
-        context.instance.add_dynamic_partitions(MODELS.name, new)
+        context.instance.add_dynamic_partitions(MODELS_KEY, new)
     requests = [dg.RunRequest(run_key=f"report:{m}:{run.run_id}", job_name=report_job.name, partition_key=m)
                 for m in models]
     return [*requests, dg.RunRequest(run_key=f"comparison:{run.run_id}", job_name=comparison_job.name)]

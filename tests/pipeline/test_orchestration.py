@@ -13,7 +13,7 @@ import pytest
 from updatelens.assets.partitions import (
     ASSET_PARTITION_RANGE_END_TAG,
     ASSET_PARTITION_RANGE_START_TAG,
-    MODEL_LAYER,
+    MODEL_LAYER_KEY,
     model_keys,
     range_tags,
 )
@@ -74,7 +74,7 @@ def test_opening_a_root_launches_nothing_and_a_model_added_later_is_launched(zoo
     assert requested == {}
     first = tick(instance, lens, None)
     assert not first.run_requests  # never analysed here: shown as missing, not launched
-    assert instance.get_dynamic_partitions(MODEL_LAYER.name) == model_keys("tiny-gpt2", 3)
+    assert instance.get_dynamic_partitions(MODEL_LAYER_KEY) == model_keys("tiny-gpt2", 3)
     assert instance.get_dynamic_partitions("models") == ["tiny-gpt2"]  # the report's and sweep's key
     for _ in range(2):  # nor by declarative automation, on this tick or the next
         requested, cursor = automation(instance, cursor)
@@ -157,7 +157,7 @@ def test_schedule_requests_only_stale_partitions(zoo: Path, lens: UpdateLensReso
 def check_schedule(zoo: Path, lens: UpdateLensResource, instance: dg.DagsterInstance) -> None:
     assert materialize_model("tiny-gpt2", lens, instance).success
     write_registry(Path(lens.registry), zoo, ["tiny-gpt2", "tiny-llama"])
-    instance.add_dynamic_partitions(MODEL_LAYER.name, model_keys("tiny-llama", 3))
+    instance.add_dynamic_partitions(MODEL_LAYER_KEY, model_keys("tiny-llama", 3))
 
     def run_schedule(resource: UpdateLensResource) -> list[dg.RunRequest] | dg.SkipReason:
         with dg.build_schedule_context(instance=instance, resources={"lens": resource},  # closed, as `tick`
@@ -289,3 +289,21 @@ def test_a_run_whose_process_was_killed_gives_back_its_pool_slot(tmp_path: Path)
         assert status == {"killed": dg.DagsterRunStatus.FAILURE, "alive": dg.DagsterRunStatus.STARTED,
                           "elsewhere": dg.DagsterRunStatus.STARTED}
         assert release_dead_runs(instance) == []
+
+
+@pytest.mark.parametrize("value, expected", [(None, 30), ("5", 5), ("0", None), ("-3", None), ("1.5", None)])
+def test_the_sensors_interval_is_a_positive_whole_number(monkeypatch, value: str | None, expected: int | None) -> None:
+    """UPDATELENS_SENSOR_INTERVAL_S sets how often stage automation and the reports sensor evaluate;
+    anything but a positive whole number is refused naming the variable."""
+    from updatelens.errors import UpdateLensError
+    from updatelens.orchestration.sensors import INTERVAL_ENV, sensor_interval
+
+    if value is None:
+        monkeypatch.delenv(INTERVAL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(INTERVAL_ENV, value)
+    if expected is None:
+        with pytest.raises(UpdateLensError, match=INTERVAL_ENV):
+            sensor_interval()
+    else:
+        assert sensor_interval() == expected

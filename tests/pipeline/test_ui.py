@@ -76,7 +76,7 @@ def test_partitions_launched_by_clicking_in_the_ui_are_followed_by_their_report(
     registry = write_registry(tmp_path / "registry.toml", zoo, ["tiny-gpt2"])
     data = tmp_path / "data"
     env = dict(os.environ, DAGSTER_HOME=str(tmp_path / "home"), UPDATELENS_REGISTRY=str(registry),
-               UPDATELENS_DATA=str(data), HF_HUB_OFFLINE="1",
+               UPDATELENS_DATA=str(data), HF_HUB_OFFLINE="1", UPDATELENS_SENSOR_INTERVAL_S="5",
                UPDATELENS_SETTINGS=json.dumps({"n_seq": 6, "seq_len": 16, "k": 8, "rank": 2, "bootstrap": 10,
                                                "jackknife_groups": 3}))
     port = free_port()
@@ -118,7 +118,7 @@ def test_partitions_launched_by_clicking_in_the_ui_are_followed_by_their_report(
                  "{ status } } } } }")
         deadline = time.time() + 180
         # the sensors that could launch it have evaluated since the partitions exist (the registry sensor's
-        # tick added them; stage automation ticks every 30 s, its first perhaps before them): nothing launched
+        # tick added them; stage automation ticks every 5 s here, its first perhaps before them): nothing launched
         wanted = {"model_registry_sensor": 1, "stage_automation": 2}
         while time.time() < deadline:
             done = {name: len(graphql(port, ticks.replace("SENSOR", name))["data"]["sensorOrError"]["sensorState"]
