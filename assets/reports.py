@@ -17,13 +17,13 @@ from updatelens.assets.functional_metrics import functional_metrics
 from updatelens.assets.geometry import geometry
 from updatelens.assets.partitions import MODELS
 from updatelens.assets.resources import UpdateLensResource
-from updatelens.findings import FINDINGS
 from updatelens.reports.build import (
     COMPARISON_FIGURES,
     MODEL_FIGURES,
     Report,
     build_comparison,
     build_model_report,
+    report_problems,
 )
 
 REPORT_CHECK = dg.AssetCheckSpec("report_complete", asset="report",
@@ -49,19 +49,11 @@ def _report_metadata(report: Report, captions: dict[str, str]) -> dict[str, Any]
 
 
 def _check_report(report: Report, captions: dict[str, str]) -> dg.AssetCheckResult:
-    """The written page: every figure's PNG exists and is inlined in index.html, and the findings
-    table has a row for every declared finding (updatelens.findings)."""
-    page = report.index.read_text(encoding="utf-8")
-    missing = [name for name in captions if not report.figures[name].exists() or f"alt='{name}'" not in page]
-    present = set(report.findings["finding"].to_list()) if "finding" in report.findings.columns else set()
-    absent = [f.id for f in FINDINGS if f.id not in present or f"<td>{f.id}</td>" not in page]
-    problems = ([f"figures missing from the page: {', '.join(missing)}"] if missing else []) + \
-        ([f"findings without a row: {', '.join(absent)}"] if absent else [])
+    """The written page is complete (reports.build.report_problems)."""
+    problems = report_problems(report, captions)
     return dg.AssetCheckResult(check_name="report_complete", passed=not problems,
-                               description="; ".join(problems) or None, metadata={
-                                   "figures": len(captions) - len(missing), "missing_figures": ", ".join(missing) or "none",
-                                   "findings": len(FINDINGS) - len(absent),
-                                   "missing_findings": ", ".join(absent) or "none"})
+                               description="; ".join(problems) or None,
+                               metadata={"problems": "; ".join(problems) or "none"})
 
 
 @dg.asset(

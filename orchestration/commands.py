@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from updatelens.orchestration.output import print_frame, print_rows
 
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     import dagster as dg
 
     from updatelens.assets.resources import UpdateLensResource
+    from updatelens.storage.location import RootLike
+    from updatelens.storage.store import Store
 
 SUMMARY_SQL = """
 SELECT layer, fn_class, n_tokens,
@@ -237,36 +239,42 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _reports(models: list[str], lens: UpdateLensResource, instance: dg.DagsterInstance) -> int:
-    """Materialize the models' reports and the comparison; print where they are."""
+    """Materialize the models' reports and the comparison (the Dagster assets, after a run); print where they are."""
     from updatelens.orchestration.runner import failure_message, materialize_reports
-    from updatelens.reports.build import COMPARISON, reports_root
 
     results = materialize_reports(models, lens, instance, raise_on_error=False)
     for result in results:
         if not result.success:
             print(f"updatelens: the report failed: {failure_message(result)}", file=sys.stderr)
             return 1
-    base = reports_root(lens.root)
+    _print_reports(lens.store, models)
+    return 0
+
+
+def _print_reports(store: Store, models: list[str]) -> None:
+    """The models' findings, the weights they ran with, and where their reports and the comparison are."""
+    from updatelens.reports.build import COMPARISON, reports_root
+
+    base = reports_root(store.root)
     print("\nFindings (SQL view findings, docs/method.md): the null is the same measure without the claimed "
           "structure; self_first and linear, the same measure when the truth is tokenwise by construction "
           "(positive controls); estimator-limited: the value does not clear and the tokenwise target does not "
           "either, so the estimator cannot show the structure at this sample size")
-    print_frame(lens.store.query(FINDINGS_SQL, [list(models)]))
-    weights = lens.store.query("SELECT DISTINCT model, weights FROM findings WHERE list_contains($1, model) "
-                               "ORDER BY model", [list(models)])
+    print_frame(store.query(FINDINGS_SQL, [list(models)]))
+    weights = store.query("SELECT DISTINCT model, weights FROM findings WHERE list_contains($1, model) "
+                          "ORDER BY model", [list(models)])
     for row in weights.to_dicts():
         print(f"{row['model']} ran with {row['weights']}")
     for model in models:
         print(f"report: {base / model / 'index.html'}")
     print(f"comparison across models: {base / COMPARISON / 'index.html'}")
-    return 0
 
 
 def _lens_from(args: argparse.Namespace) -> UpdateLensResource:
     from updatelens.assets.resources import AnalysisSettings, UpdateLensResource
     from updatelens.storage.location import is_url
 
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, Any] = {}
     if getattr(args, "corpus", None):
         kwargs["corpus"] = args.corpus
     if args.data_root:
@@ -277,27 +285,41 @@ def _lens_from(args: argparse.Namespace) -> UpdateLensResource:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Rebuild reports from stored results: no model is loaded, nothing is recomputed."""
-    import dagster as dg
+    """Rebuild reports from stored results: no model is loaded, nothing is recomputed, and neither
+    torch nor Dagster is imported (the same builders as the Dagster assets `report` and
+    `comparison_report`, which a run or the UI materializes)."""
+    from updatelens.config import AnalysisConfig
+    from updatelens.reports.build import (
+        COMPARISON_FIGURES,
+        MODEL_FIGURES,
+        build_comparison,
+        build_model_report,
+        report_problems,
+    )
+    from updatelens.storage.location import existing_root, is_url
+    from updatelens.storage.store import Store
 
-    from updatelens.orchestration.runner import project_dagster_home
-    from updatelens.storage.location import existing_root
-
-    existing_root(args.data_root, "report")  # before a Dagster home is made there
-    lens = _lens_from(args)
-    os.environ["DAGSTER_HOME"] = str(project_dagster_home(lens.data_root))
-    stored = lens.store.query("SELECT DISTINCT model FROM layer_summary ORDER BY model") \
-        if lens.store.has_files("geometry") else None
+    chosen = existing_root(args.data_root, "report")
+    store = Store.open(chosen if is_url(chosen) else str(Path(chosen).resolve()))
+    config_id = AnalysisConfig.from_dict(_settings(args)).config_id  # the configuration shown first
+    stored = store.query("SELECT DISTINCT model FROM layer_summary ORDER BY model") \
+        if store.has_files("geometry") else None
     available = stored["model"].to_list() if stored is not None else []
     models = [args.model] if args.model else available
     missing = [m for m in models if m not in available]
     if not models or missing:
         what = f"model {missing[0]!r}" if missing else "any model"
-        print(f"updatelens report: no results for {what} under {lens.root}; stored: "
+        print(f"updatelens report: no results for {what} under {store.root}; stored: "
               f"{', '.join(available) or 'none'} (run `updatelens run --model ...` first)", file=sys.stderr)
         return 2
-    with dg.DagsterInstance.get() as instance:
-        return _reports(models, lens, instance)
+    built = [(build_model_report(store.root, model, config_id), MODEL_FIGURES) for model in models]
+    built.append((build_comparison(store.root), COMPARISON_FIGURES))
+    problems = [f"{report.index}: {problem}" for report, captions in built for problem in report_problems(report, captions)]
+    if problems:
+        print(f"updatelens report: incomplete: {'; '.join(problems)}", file=sys.stderr)
+        return 1
+    _print_reports(store, models)
+    return 0
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -524,12 +546,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1
 
 
-def location_name(root: str | Path) -> str:
+def location_name(root: RootLike) -> str:
     """The UI's code location name for a data root: `updatelens` and the root, as letters, digits,
     dashes and underscores (e.g. updatelens-work-main-data)."""
-    from updatelens.storage.location import is_url
+    from updatelens.storage.location import is_url, local_path
 
-    text = str(root) if is_url(str(root)) else str(Path(root).resolve())
+    text = str(root) if is_url(str(root)) else str(local_path(root).resolve())
     return "updatelens-" + (re.sub(r"[^A-Za-z0-9_]+", "-", text).strip("-") or "root")
 
 

@@ -22,12 +22,13 @@ from matplotlib.figure import Figure
 from upath import UPath
 
 from updatelens.errors import UpdateLensError
+from updatelens.findings import FINDINGS
 from updatelens.reports import figures as fig
 from updatelens.stages import TABLES
 from updatelens.storage import catalog
 from updatelens.storage.integrity import incomplete_layers, mixed_layers
 from updatelens.storage.layout import publish_dir
-from updatelens.storage.location import as_root
+from updatelens.storage.location import RootLike, as_root
 from updatelens.verdicts import VERDICTS
 
 REPORTS = "reports"
@@ -77,7 +78,7 @@ class ReportError(UpdateLensError):
 class Report:
     title: str
     directory: UPath
-    figures: dict[str, Path]
+    figures: dict[str, UPath]
     findings: pl.DataFrame
     sensitivity: pl.DataFrame | None = None
     config_id: str = ""
@@ -110,7 +111,7 @@ LEFT_OUT: dict[str, str] = {
     "context_split_bootstrap": "the layer's exact split has no interval",
 }
 
-def reports_root(root: str | Path) -> UPath:
+def reports_root(root: RootLike) -> UPath:
     return as_root(root) / REPORTS
 
 
@@ -234,7 +235,18 @@ def sensitivity_pivot(sensitivity: pl.DataFrame) -> pl.DataFrame:
     return pivot.select(["finding", *baseline, *[c for c in order if c not in baseline]])
 
 
-def build_model_report(root: Path, model: str, config_id: str | None = None) -> Report:
+def report_problems(report: Report, captions: dict[str, str]) -> list[str]:
+    """What the written page lacks: a figure's PNG, or its inlining in index.html, and a findings row
+    for every declared finding (updatelens.findings). Empty when the report is complete."""
+    page = report.index.read_text(encoding="utf-8")
+    missing = [name for name in captions if not report.figures[name].exists() or f"alt='{name}'" not in page]
+    present = set(report.findings["finding"].to_list()) if "finding" in report.findings.columns else set()
+    absent = [f.id for f in FINDINGS if f.id not in present or f"<td>{f.id}</td>" not in page]
+    return ([f"figures missing from the page: {', '.join(missing)}"] if missing else []) + \
+        ([f"findings without a row: {', '.join(absent)}"] if absent else [])
+
+
+def build_model_report(root: RootLike, model: str, config_id: str | None = None) -> Report:
     """Regenerate `<root>/reports/<model>/` from the stored tables, showing configuration `config_id`
     where it is stored (else the one covering most layers); raises ReportError if none is."""
     root = as_root(root)
@@ -431,7 +443,7 @@ def findings_pivot(findings: pl.DataFrame) -> pl.DataFrame:
     return thresholds.join(pivot, on="finding").sort("finding")
 
 
-def build_comparison(root: Path) -> Report:
+def build_comparison(root: RootLike) -> Report:
     """`<root>/reports/_comparison/`: every model with results, side by side on normalised depth."""
     root = as_root(root)
     with catalog.connect(root) as con:

@@ -92,4 +92,13 @@ def _code_of(source: bytes) -> bytes:
 # The release plus a hash of the sources that compute and store results: the key of the catalog's cache
 # and the version of the reports and of the calibration study's rows. The stages' rows record their own
 # stage's version instead (updatelens.versions), so a change to one stage leaves the others current.
-CODE_VERSION = f"{__version__}+{_source_hash()}"
+# Computed when first asked for (`from updatelens import CODE_VERSION`), not when the package is imported.
+CODE_VERSION: str
+
+
+def __getattr__(name: str) -> str:
+    if name == "CODE_VERSION":
+        value = f"{__version__}+{_source_hash()}"
+        globals()["CODE_VERSION"] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

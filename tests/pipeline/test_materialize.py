@@ -428,6 +428,11 @@ def test_updatelens_report_regenerates_without_recomputing(run, monkeypatch, tmp
     assert partition_file(lens.root, "geometry", "tiny-gpt2", 0).stat().st_mtime_ns == geometry_mtime
     assert main(["report", "--model", "no-such-model", "--data-root", lens.data_root]) == 2
     assert "no results for model 'no-such-model'" in capsys.readouterr().err
+    # a light path: in a fresh interpreter the report imports neither torch, transformers, GX nor Dagster
+    from tests.unit.test_light_paths import heavy_imports
+
+    assert heavy_imports("from updatelens.orchestration.cli import main\n"
+                         f"assert main(['report', '--model', 'tiny-gpt2', '--data-root', {lens.data_root!r}]) == 0") == []
 
 
 def test_converge_job_analyses_each_sample_size_and_fills_the_convergence_view(zoo: Path, tmp_path: Path) -> None:

@@ -43,6 +43,13 @@ def test_the_catalog_and_the_report_builders_import_nothing_heavy() -> None:
     assert heavy_imports("import updatelens.storage.catalog, updatelens.reports.build") == []
 
 
+def test_importing_the_package_hashes_no_source() -> None:
+    """The code version is computed when first asked for, not on `import updatelens`."""
+    body = ("import updatelens\nassert 'CODE_VERSION' not in vars(updatelens)\n"
+            "from updatelens import CODE_VERSION\nassert CODE_VERSION.startswith(updatelens.__version__ + '+')")
+    assert heavy_imports(body) == []
+
+
 def test_the_check_would_see_a_heavy_import() -> None:
     """The positive control of the tests above: importing the engine's capture pulls in torch."""
     assert "torch" in heavy_imports("import updatelens.capture")
