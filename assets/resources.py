@@ -19,7 +19,7 @@ from updatelens.assets.checks import CheckSettings
 from updatelens.config import AnalysisConfig, field_help, json_object_env
 from updatelens.corpus import Sample, make_sample
 from updatelens.models import LoadedModel, load_model, recorded_revision, window_first_token
-from updatelens.registry import get_corpus, get_model, registry_path
+from updatelens.registry import DEFAULT_CORPUS, get_corpus, get_model, registry_path
 from updatelens.storage.location import as_root, default_data_root
 from updatelens.storage.store import Store
 
@@ -66,7 +66,7 @@ class UpdateLensResource(dg.ConfigurableResource):
 
     data_root: str = pydantic.Field(default_factory=default_data_root)
     registry: str = pydantic.Field(default_factory=lambda: str(registry_path()))
-    corpus: str = "wiki-embedded"
+    corpus: str = DEFAULT_CORPUS
     analysis: AnalysisSettings = pydantic.Field(default_factory=default_settings)  # type: ignore[valid-type]
     checks: CheckSettings = pydantic.Field(default_factory=CheckSettings)
 

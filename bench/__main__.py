@@ -7,12 +7,13 @@ import argparse
 import sys
 
 from bench.driver import cmd_bench
+from updatelens.registry import DEFAULT_MODEL
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--data-root")
-    parser.add_argument("--model", default="smollm2-135m", help="the model whose forward passes --only floor counts")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the model whose forward passes --only floor counts")
     parser.add_argument("--device", default="cpu",
                         help="cpu or cuda[:i]: where the model, fits and (with faiss-gpu) exact search run; "
                                 "recorded with every figure")

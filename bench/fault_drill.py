@@ -44,6 +44,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from updatelens.registry import DEFAULT_MODEL
 from updatelens.stages import STAGES, TABLES
 from updatelens.storage import catalog
 from updatelens.storage.layout import STAGING, partition_file
@@ -534,7 +535,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="where to write the drill's record (JSON)")
     parser.add_argument("--data-root", type=Path, default=Path("data"))
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--layers", default="6-8", help="a range FIRST-LAST of stored layers the drill works on")
     parser.add_argument("--target", type=int, default=7, help="the layer that takes the faults")
     parser.add_argument("--pipeline-s", type=float, help="the root's pipeline time, for the verification overhead")

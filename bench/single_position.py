@@ -25,7 +25,7 @@ from updatelens.config import AnalysisConfig
 from updatelens.corpus import make_sample
 from updatelens.models import load_model
 from updatelens.perturbation import Variant, original_output, patched_kl
-from updatelens.registry import get_corpus, get_model
+from updatelens.registry import DEFAULT_CORPUS, DEFAULT_MODEL, get_corpus, get_model
 from updatelens.single_position import all_single_position_kl
 
 
@@ -40,8 +40,8 @@ def median_time(run, repeats: int = 3) -> float:
 
 def main(out: Path) -> None:
     cfg = AnalysisConfig()
-    lm = load_model(get_model("smollm2-135m"))
-    sample = make_sample(get_corpus("wiki-embedded"), lm.tokenizer, cfg.n_seq, cfg.seq_len, 0, cfg.windows_per_doc)
+    lm = load_model(get_model(DEFAULT_MODEL))
+    sample = make_sample(get_corpus(DEFAULT_CORPUS), lm.tokenizer, cfg.n_seq, cfg.seq_len, 0, cfg.windows_per_doc)
     cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
     orig = original_output(lm, sample.input_ids, cfg.patch_batch)
     rng = np.random.default_rng(0)

@@ -17,6 +17,7 @@ from updatelens.calibration import DEFAULT_ANCHORS, DEFAULT_KS, DEFAULT_TOKENS, 
 from updatelens.config import preset_layers
 from updatelens.errors import ConfigError
 from updatelens.orchestration.runner import check_inputs
+from updatelens.registry import DEFAULT_MODEL
 from updatelens.tables import Provenance
 
 STUDY = "calibration"
@@ -33,7 +34,9 @@ def plan_lens(lens: UpdateLensResource, tokens: Sequence[int], ks: Sequence[int]
         raise ConfigError(f"sample sizes {bad}: each must be a multiple of seq_len={base.seq_len}")
     if min(ks) < 1:
         raise ConfigError(f"k must be >= 1, got {sorted(ks)}")
-    settings = {**lens.analysis.model_dump(), "n_seq": max(tokens) // base.seq_len, "k": max(ks)}
+    # AnalysisSettings is made by pydantic.create_model: mypy cannot see its methods
+    settings = {**lens.analysis.model_dump(), "n_seq": max(tokens) // base.seq_len,  # type: ignore[attr-defined]
+                "k": max(ks)}
     largest = UpdateLensResource(**{**lens.model_dump(), "analysis": AnalysisSettings(**settings)})
     cfg = largest.config()
     cfg.validate()  # the largest k against the smallest size's candidates is checked per size below
@@ -79,7 +82,7 @@ class CalibrateConfig(dg.Config):
     """The study to run: model, sample sizes in tokens (multiples of seq_len; nested: the first n
     windows), neighbour counts, layers (empty: first, middle and last) and anchors scored per size."""
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     tokens: list[int] = list(DEFAULT_TOKENS)
     ks: list[int] = list(DEFAULT_KS)
     layers: list[int] = []

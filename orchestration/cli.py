@@ -24,6 +24,7 @@ from updatelens.orchestration.commands import (
     cmd_verify,
     cmd_worker,
 )
+from updatelens.registry import DEFAULT_CORPUS, DEFAULT_MODEL
 from updatelens.sweep import DEFAULT_GRID, SWEEP_LAYERS
 
 
@@ -38,14 +39,27 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def shared_options() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The options several commands share, declared once (argparse parents): the data root; the model
+    and corpus of the commands that compute; the registry."""
+    root = argparse.ArgumentParser(add_help=False)
+    root.add_argument("--data-root", help="a local folder or an fsspec URL such as s3://bucket/prefix "
+                                          "(default: $UPDATELENS_DATA or ./data)")
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("--model", default=DEFAULT_MODEL, help=f"registry slug (default: the embedded {DEFAULT_MODEL})")
+    model.add_argument("--corpus", default=DEFAULT_CORPUS, help=f"registry slug (default: {DEFAULT_CORPUS})")
+    registry = argparse.ArgumentParser(add_help=False)
+    registry.add_argument("--registry", help="default: $UPDATELENS_REGISTRY or registry/registry.toml")
+    return root, model, registry
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="updatelens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    data_root, model_corpus, registry = shared_options()
 
     run = sub.add_parser("run", help="materialize every stage for a model, headless", epilog=settings_help(),
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("--model", default="smollm2-135m", help="registry slug (default: the embedded SmolLM2)")
-    run.add_argument("--corpus", default="wiki-embedded")
+                         formatter_class=argparse.RawDescriptionHelpFormatter, parents=[model_corpus, data_root, registry])
     run.add_argument("--layers", help="layers like 3-7, 0,15,29 or 3-7,10 (default: all, or the preset's)")
     run.add_argument("--preset", help="named settings: study (1024 x 128 tokens; first, middle and last layer; "
                                       "intervals for every finding); --set and the flags override them")
@@ -55,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
                      help="recompute partitions that are already up to date (default: only missing or stale)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE",
                      help="any setting listed below, e.g. --set exclusion=self --set controls=random")
-    run.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
-    run.add_argument("--registry", help="default: $UPDATELENS_REGISTRY or registry/registry.toml")
     run.add_argument("--profile", choices=["local", "celery", "k8s"],
                      help="deployment profile (default: $UPDATELENS_PROFILE or local); celery/k8s run one "
                           "run per layer on the cluster's workers")
@@ -79,9 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--loglevel", default="INFO")
     worker.set_defaults(func=cmd_worker)
 
-    sql = sub.add_parser("sql", help="run SQL over the stored tables and print the result")
+    sql = sub.add_parser("sql", help="run SQL over the stored tables and print the result", parents=[data_root])
     sql.add_argument("query")
-    sql.add_argument("--data-root")
     sql.add_argument("--write", action="store_true",
                      help="allow statements that write (COPY ... TO, CREATE, ATTACH); default: read-only")
     sql.add_argument("--timeout", type=positive_seconds, metavar="SECONDS",
@@ -89,21 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     sql.set_defaults(func=cmd_sql)
 
     verify = sub.add_parser("verify", help="check every stored partition file; list damaged files and incomplete "
-                                           "layers (exit 1 if any)")
-    verify.add_argument("--data-root")
+                                           "layers (exit 1 if any)", parents=[data_root])
     verify.add_argument("--repair", action="store_true",
                         help="move damaged files to <root>/_quarantine/ (never deleted); `run` then recomputes them")
     verify.set_defaults(func=cmd_verify)
 
-    ui = sub.add_parser("ui", help="start the Dagster UI (dagster dev) on 127.0.0.1")
+    ui = sub.add_parser("ui", help="start the Dagster UI (dagster dev) on 127.0.0.1; it serves one data root, with "
+                                   "its own Dagster instance (<root>/_dagster)", parents=[data_root])
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=3000)
-    ui.add_argument("--data-root", help="the data root the UI serves, with its own Dagster instance "
-                                        "(<root>/_dagster); default: $UPDATELENS_DATA or ./data")
     ui.set_defaults(func=cmd_ui)
 
-    nb = sub.add_parser("notebook", help="open the exploration notebook (marimo) over the stored results")
-    nb.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
+    nb = sub.add_parser("notebook", help="open the exploration notebook (marimo) over the stored results",
+                        parents=[data_root])
     nb.add_argument("--host", default="127.0.0.1")
     nb.add_argument("--port", type=int, default=2718)
     nb.add_argument("--headless", action="store_true", help="serve without opening a browser")
@@ -112,28 +121,24 @@ def main(argv: list[str] | None = None) -> int:
                          "instead of the app, whose cells run as the page opens")
     nb.set_defaults(func=cmd_notebook)
 
-    rep = sub.add_parser("report", help="rebuild reports (HTML + PNG) from stored results, no recomputation")
+    rep = sub.add_parser("report", help="rebuild reports (HTML + PNG) from stored results, no recomputation",
+                         parents=[data_root])
     rep.add_argument("--model", help="registry slug (default: every model with results)")
-    rep.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
     rep.set_defaults(func=cmd_report, set=None, classes=None, n_seq=None, seq_len=None, k=None, rank=None, preset=None)
 
-    swp = sub.add_parser("sweep", help="analyse a model under a grid of conventions; prints the sensitivity table")
-    swp.add_argument("--model", default="smollm2-135m")
-    swp.add_argument("--corpus", default="wiki-embedded")
+    swp = sub.add_parser("sweep", help="analyse a model under a grid of conventions; prints the sensitivity table",
+                         parents=[model_corpus, data_root, registry])
     swp.add_argument("--grid", help="JSON {setting: [values]}, one at a time around the baseline "
                                     f"(default: {json.dumps(DEFAULT_GRID)})")
     swp.add_argument("--layers", help="comma-separated layers (default: --n-layers spread over the depth)")
     swp.add_argument("--n-layers", dest="n_layers", type=int, help=f"how many layers when --layers is not given ({SWEEP_LAYERS})")
     swp.add_argument("--with-controls", action="store_true", help="also run the random/crude controls per config")
     swp.add_argument("--set", action="append", metavar="KEY=VALUE", help="baseline AnalysisConfig fields")
-    swp.add_argument("--data-root")
-    swp.add_argument("--registry")
     swp.set_defaults(func=cmd_sweep, classes=None, n_seq=None, seq_len=None, k=None, rank=None, preset=None)
 
     conv = sub.add_parser("converge", help="analyse nested samples of growing size; prints each finding "
-                                           "against the sample size with its interval")
-    conv.add_argument("--model", default="smollm2-135m")
-    conv.add_argument("--corpus", default="wiki-embedded")
+                                           "against the sample size with its interval",
+                          parents=[model_corpus, data_root, registry])
     conv.add_argument("--tokens", default="2048,8192,32768,131072",
                       help="sample sizes in tokens, multiples of seq_len (default 2048,8192,32768,131072)")
     conv.add_argument("--layers", help="layers like 3-7 or 0,15,29 (default: the first, middle and last)")
@@ -142,22 +147,17 @@ def main(argv: list[str] | None = None) -> int:
                            "preset's run; '' for the engine's defaults); --set overrides them")
     conv.add_argument("--force", action="store_true", help="recompute sizes that are already up to date")
     conv.add_argument("--set", action="append", metavar="KEY=VALUE", help="AnalysisConfig fields of every size")
-    conv.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
-    conv.add_argument("--registry")
     conv.set_defaults(func=cmd_converge, classes=None, n_seq=None, seq_len=None, k=None, rank=None)
 
     cal = sub.add_parser("calibrate", help="the estimator's power: the real update and the positive controls (tokenwise "
-                                           "by construction) fitted at growing sample sizes and k")
-    cal.add_argument("--model", default="smollm2-135m")
-    cal.add_argument("--corpus", default="wiki-embedded")
+                                           "by construction) fitted at growing sample sizes and k",
+                         parents=[model_corpus, data_root, registry])
     cal.add_argument("--tokens", default="2048,8192,32768",
                      help="sample sizes in tokens, multiples of seq_len, nested (default 2048,8192,32768)")
     cal.add_argument("--k", dest="ks", default="16,64,256", help="neighbour counts (default 16,64,256)")
     cal.add_argument("--layers", help="layers like 3-7 or 0,15,29 (default: the first, middle and last)")
     cal.add_argument("--anchors", type=int, default=2048, help="anchors scored per layer and size (default 2048)")
     cal.add_argument("--set", action="append", metavar="KEY=VALUE", help="AnalysisConfig fields")
-    cal.add_argument("--data-root", help="default: $UPDATELENS_DATA or ./data")
-    cal.add_argument("--registry")
     cal.set_defaults(func=cmd_calibrate, classes=None, n_seq=None, seq_len=None, k=None, rank=None, preset=None)
 
 

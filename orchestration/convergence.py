@@ -23,6 +23,7 @@ from updatelens.orchestration.runner import (
     stale_layers,
 )
 from updatelens.preflight import Preflight, check_data_root, estimate_bytes
+from updatelens.registry import DEFAULT_MODEL
 from updatelens.storage.layout import convergence_root
 from updatelens.storage.location import url
 
@@ -43,8 +44,9 @@ def plan_convergence(model: str, lens: UpdateLensResource, tokens: Sequence[int]
     Layers default to the first, middle and last. `preset`: named settings over the lens's (the
     study's by default in the CLI and the job, so the largest size is the study preset's run)."""
     named = {key: value for key, value in preset_settings(preset).items() if key != "n_seq"} if preset else {}
-    lens = UpdateLensResource(**{**lens.model_dump(), "analysis": AnalysisSettings(**{**lens.analysis.model_dump(),
-                                                                                      **named})})
+    # AnalysisSettings is made by pydantic.create_model: mypy cannot see its methods
+    analysis = {**lens.analysis.model_dump(), **named}  # type: ignore[attr-defined]
+    lens = UpdateLensResource(**{**lens.model_dump(), "analysis": AnalysisSettings(**analysis)})
     base = lens.config()
     sizes = sorted(set(tokens))
     if not sizes:
@@ -54,7 +56,7 @@ def plan_convergence(model: str, lens: UpdateLensResource, tokens: Sequence[int]
         raise ConfigError(f"sample sizes {bad}: each must be a multiple of seq_len={base.seq_len}")
     plans = []
     for n_tokens in sizes:
-        settings = {**lens.analysis.model_dump(), "n_seq": n_tokens // base.seq_len}
+        settings = {**lens.analysis.model_dump(), "n_seq": n_tokens // base.seq_len}  # type: ignore[attr-defined]
         # a new resource, not model_copy: inside a run, Dagster's initialised copy ignores copied fields
         sub = UpdateLensResource(**{**lens.model_dump(), "analysis": AnalysisSettings(**settings),
                                     "data_root": url(convergence_root(lens.root, n_tokens // base.seq_len))})
@@ -102,7 +104,7 @@ class ConvergeConfig(dg.Config):
     largest size is the study preset; "" for the resource's own), and whether to recompute sizes
     already up to date."""
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     tokens: list[int] = list(DEFAULT_TOKENS)
     layers: list[int] = []
     preset: str = "study"

@@ -37,6 +37,9 @@ from pathlib import Path
 
 from updatelens.errors import RegistryError
 
+# The embedded default: the model and corpus every command uses unless told otherwise (no network).
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_CORPUS = "wiki-embedded"
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MODEL_SOURCES = ("embedded", "local", "hub")
 CORPUS_SOURCES = ("embedded", "text", "hub")
