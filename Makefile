@@ -42,10 +42,11 @@ compare: install
 test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
-# Lint and import order (ruff) and types (mypy), as configured in pyproject.toml; `make test` runs it first.
+# Lint and import order (ruff) and types (mypy across the folders, tests/typecheck.py), as configured in
+# pyproject.toml; `make test` runs it first.
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy
+	$(BIN)/python -m tests.typecheck
 
 ui: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m updatelens.orchestration.cli ui $(ARGS)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from updatelens.orchestration.output import print_frame
+from updatelens.registry import DEFAULT_CORPUS, DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from bench.measures import Record
@@ -180,8 +181,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"python -m bench: --device {cfg.device}, but torch sees no CUDA device", file=sys.stderr)
         return 2
     device = cfg.device
-    lm = load_model(get_model("smollm2-135m"), device=device)
-    sample = make_sample(get_corpus("wiki-embedded"), lm.tokenizer, cfg.n_seq, cfg.seq_len, 0, cfg.windows_per_doc)
+    lm = load_model(get_model(DEFAULT_MODEL), device=device)
+    sample = make_sample(get_corpus(DEFAULT_CORPUS), lm.tokenizer, cfg.n_seq, cfg.seq_len, 0, cfg.windows_per_doc)
     records = [bench.bench_capture(lm, sample.input_ids[:8])]
     cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch)
     kept = kept_mask(sample.attention_mask, True)
@@ -231,8 +232,8 @@ def _bench_knn(args: argparse.Namespace, root: Path) -> int:
 
     tune_layer, judge_layer = (int(v) for v in args.ann_layers.split(","))
     cfg = AnalysisConfig(device=args.device)
-    lm = load_model(get_model("smollm2-135m"), device=cfg.device)
-    sample = make_sample(get_corpus("wiki-embedded"), lm.tokenizer, args.ann_tokens // cfg.seq_len, cfg.seq_len)
+    lm = load_model(get_model(DEFAULT_MODEL), device=cfg.device)
+    sample = make_sample(get_corpus(DEFAULT_CORPUS), lm.tokenizer, args.ann_tokens // cfg.seq_len, cfg.seq_len)
     start = time.perf_counter()
     (tune_x, judge_x), groups = bench.layer_states(lm, sample.input_ids, sample.attention_mask,
                                                    (tune_layer, judge_layer), cfg.capture_batch)
@@ -260,6 +261,7 @@ def _bench_scale(args: argparse.Namespace, root: Path) -> int:
     from bench import measures as bench
     from updatelens.config import PRESETS
     from updatelens.storage.layout import convergence_root
+    from updatelens.storage.location import local_path
 
     sizes = sorted({int(t) for t in args.scale_tokens.split(",")})
     study: dict[str, Any] = PRESETS["study"]
@@ -268,7 +270,7 @@ def _bench_scale(args: argparse.Namespace, root: Path) -> int:
     for tokens in sizes:
         n_seq = tokens // int(study["seq_len"])
         with tempfile.TemporaryDirectory() as home:
-            wall, rss = _pipeline_run(str(args.scale_layer), Path(convergence_root(root, n_seq)), Path(home),
+            wall, rss = _pipeline_run(str(args.scale_layer), local_path(convergence_root(root, n_seq)), Path(home),
                                       args.device, (*settings, f"n_seq={n_seq}"))
         points.append(bench.ScalePoint(tokens, wall, rss))
         print(f"scale: {tokens} tokens, layer {args.scale_layer}: {wall:.1f} s, peak RSS {rss:.2f} GiB", flush=True)

@@ -38,7 +38,7 @@ def install(fault: str, table: str) -> None:
             write(self, rows.slice(0, max(1, len(rows) // 2)), row_group_rows)
             _kill()
 
-        layout.ParquetSink.write = write_then_kill
+        layout.ParquetSink.write = write_then_kill  # type: ignore[method-assign, assignment]  # the planted fault
     elif fault == "before_manifest":
         write_manifest = layout.write_manifest
 
@@ -47,7 +47,7 @@ def install(fault: str, table: str) -> None:
                 _kill()
             return write_manifest(path, table_name, *args, **kwargs)
 
-        layout.write_manifest = kill_before
+        layout.write_manifest = kill_before  # type: ignore[assignment]  # the planted fault
     elif fault == "mid_replace":
         keep_damaged = layout._keep_damaged
 

@@ -24,8 +24,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from updatelens.registry import DEFAULT_MODEL
 from updatelens.storage.integrity import partition_error
 from updatelens.storage.layout import partition_file, write_partition
+from updatelens.storage.location import local_path
 
 
 def flip_bit(path: Path) -> None:
@@ -49,7 +51,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--data-root", type=Path, default=Path("data"))
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--table", default="residuals")
     args = parser.parse_args()
     layers = sorted(int(p.name.split("=")[1]) for p in (args.data_root / args.table / f"model={args.model}").glob("layer=*"))
@@ -74,7 +76,7 @@ def main() -> int:
                 record[f"{name} {rnd} s per partition (median)"] = round(sorted(times)[len(times) // 2], 3)
                 record[f"{name} {rnd} s, last partition"] = round(times[-1], 3)
         # one flipped bit in the middle of a data file of layer 7
-        target = Path(partition_file(ours, args.table, args.model, 7))
+        target = local_path(partition_file(ours, args.table, args.model, 7))
         flip_bit(target)
         record["updatelens after a bit flip"] = partition_error(target)
         dt = DeltaTable(delta)

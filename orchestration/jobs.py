@@ -36,4 +36,5 @@ sweep_job = dg.define_asset_job(
     "sweep_conventions", selection=dg.AssetSelection.assets("convention_sweep"), partitions_def=MODELS,
     description="Convention sweep for the selected models (set the grid in the launchpad's op config).")
 
-JOBS = [analyse_job, *stage_jobs, report_job, comparison_job, sweep_job, converge_job, calibrate_job]
+JOBS: list[dg.JobDefinition | dg.UnresolvedAssetJobDefinition] = [
+    analyse_job, *stage_jobs, report_job, comparison_job, sweep_job, converge_job, calibrate_job]

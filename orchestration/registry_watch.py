@@ -17,6 +17,7 @@ from updatelens.registry import ModelEntry, load_models
 from updatelens.stages import STAGES, with_readers
 from updatelens.storage.integrity import partition_error, read_manifest
 from updatelens.storage.layout import PART_FILE, partition_dir, partition_file
+from updatelens.storage.location import RootLike
 
 
 def fingerprint(entry: ModelEntry) -> str:
@@ -43,7 +44,7 @@ def registry_changes(registry: Path, cursor: str | None) -> RegistryChanges:
 
 
 
-def stale_stages(root: Path, model: str, layer: int, config_id: str, versions: dict[str, str],
+def stale_stages(root: RootLike, model: str, layer: int, config_id: str, versions: dict[str, str],
                  revision: str | None = None) -> list[str]:
     """The stages of a (model, layer) to recompute, in the stages' order: those with a table that is
     absent, does not verify against its manifest (a partition deleted or damaged, or a stray file
@@ -76,7 +77,7 @@ def stale_stages(root: Path, model: str, layer: int, config_id: str, versions: d
     return with_readers(stale)
 
 
-def stale_plan(root: Path, model: str, layers: list[int], config_id: str, versions: dict[str, str],
+def stale_plan(root: RootLike, model: str, layers: list[int], config_id: str, versions: dict[str, str],
                revision: str | None = None) -> dict[int, list[str]]:
     """{layer: its stale stages} for the layers with any."""
     plan = {layer: stale_stages(root, model, layer, config_id, versions, revision) for layer in layers}

@@ -58,7 +58,7 @@ from updatelens.storage.layout import (
     partition_file,
     sweep_runs_glob,
 )
-from updatelens.storage.location import as_root, is_local, url
+from updatelens.storage.location import RootLike, as_root, is_local, local_path, url
 from updatelens.verdicts import (
     CONTROL_WORDS,
     NULL_WORDS,
@@ -584,10 +584,10 @@ ORDER BY model, config_id, layer
 """
 
 
-def catalog_path(root: str | Path) -> Path | None:
+def catalog_path(root: RootLike) -> Path | None:
     """The DuckDB file with the views, for a local root; None on an object store."""
     root = as_root(root)
-    return Path(root) / CATALOG_FILE if is_local(root) else None
+    return local_path(root) / CATALOG_FILE if is_local(root) else None
 
 
 def _sql_string(value: object) -> str:
@@ -895,7 +895,7 @@ def _partition_of(file: str) -> tuple[str, int]:
     return path.parent.parent.name.split("=", 1)[1], int(path.parent.name.split("=", 1)[1])
 
 
-def missing_text(root: str | Path, good: dict[str, list[str]]) -> list[Damaged]:
+def missing_text(root: RootLike, good: dict[str, list[str]]) -> list[Damaged]:
     """The (model, layer)s with a per-token table that joins its text (WITH_TEXT) but no verified
     `tokens` partition: their `token` and `context` would be NULL without a word."""
     have = {_partition_of(f) for f in good.get("tokens", [])}
@@ -919,7 +919,7 @@ def listed_sweeps(files: dict[str, list[str]], runs: list[str]) -> dict[str, lis
             for table, found in files.items()}
 
 
-def verify_root(root: str | Path, full: bool = False) -> Verified:
+def verify_root(root: RootLike, full: bool = False) -> Verified:
     """Every partition file of every family under the root, checked (storage.integrity; `full`: every
     checksum recomputed, as `updatelens verify` does)."""
     main, damaged = scan(root, TABLES + STUDY_TABLES, full=full)
@@ -928,13 +928,13 @@ def verify_root(root: str | Path, full: bool = False) -> Verified:
     return Verified(main, sweeps, convergence, damaged + sweep_damaged + conv_damaged, missing_text(root, main))
 
 
-def create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> list[str]:
+def create_views(con: duckdb.DuckDBPyConnection, root: RootLike) -> list[str]:
     """(Re)create on `con` the views of every table with verified files; drop the others. Files whose
     Parquet footer does not read are left out and listed in `damaged_partitions`."""
     return _create_views(con, root)[0]
 
 
-def _create_views(con: duckdb.DuckDBPyConnection, root: str | Path) -> tuple[list[str], list[str]]:
+def _create_views(con: duckdb.DuckDBPyConnection, root: RootLike) -> tuple[list[str], list[str]]:
     """The views created, and every file they read."""
     root = as_root(root)
     if not is_local(root):
@@ -1017,9 +1017,9 @@ def _derived_table_names() -> list[str]:
     return [f"{prefix}{name}" for prefix in FAMILY_PREFIXES for name in DERIVED_TABLES]
 
 
-def _set_aside(root: str | Path, db_path: Path, reason: str) -> Path:
+def _set_aside(root: RootLike, db_path: Path, reason: str) -> Path:
     """Move a damaged or foreign catalog (and its write-ahead log) to the quarantine; never deleted."""
-    target = Path(as_root(root)) / QUARANTINE / time.strftime("%Y%m%dT%H%M%S") / db_path.name
+    target = local_path(as_root(root)) / QUARANTINE / time.strftime("%Y%m%dT%H%M%S") / db_path.name
     target.parent.mkdir(parents=True, exist_ok=True)
     os.replace(db_path, target)
     wal = db_path.with_name(db_path.name + ".wal")
@@ -1029,7 +1029,7 @@ def _set_aside(root: str | Path, db_path: Path, reason: str) -> Path:
     return target
 
 
-def refresh(root: str | Path, db_path: Path | None = None, wait: bool = True) -> list[str]:
+def refresh(root: RootLike, db_path: Path | None = None, wait: bool = True) -> list[str]:
     """Rebuild the catalog file's views; returns the view names (object store: checked in memory).
     The new catalog is built in a file of its own and renamed over the old one: a reader with the
     old one open keeps reading it, and no reader's lock on it can make a writer's refresh fail.
@@ -1084,11 +1084,11 @@ def _verified_path(db_path: Path) -> Path:
     return db_path.with_name(db_path.name + VERIFIED_SUFFIX)
 
 
-def root_fingerprint(root: str | Path) -> str:
+def root_fingerprint(root: RootLike) -> str:
     """SHA-256 of (path, size, modification time) of every file under a local root's result folders
     (the partitions, their manifests, stray files, sweep records): any file written, replaced,
     touched, added or removed changes it; it reads no file's contents."""
-    top = Path(as_root(root))
+    top = local_path(as_root(root))
     entries = []
     for dirpath, dirnames, filenames in os.walk(top):
         if dirpath == str(top):
@@ -1101,12 +1101,12 @@ def root_fingerprint(root: str | Path) -> str:
     return hashlib.sha256("\n".join(sorted(entries)).encode()).hexdigest()
 
 
-def root_identity(root: str | Path) -> str:
+def root_identity(root: RootLike) -> str:
     """Which folder a local root is: its real path and its inode. A copy (`cp -a` keeps every file's
     size and time, so the fingerprint alone would match) or a moved root is another folder: its
     catalog, whose views name the files it was built over, is verified again and rebuilt over its
     own files before it serves a query."""
-    top = Path(as_root(root))
+    top = local_path(as_root(root))
     st = os.stat(top)
     return f"{os.path.realpath(top)}\t{st.st_dev}\t{st.st_ino}"
 
@@ -1120,7 +1120,7 @@ def _view_digest(con: duckdb.DuckDBPyConnection) -> str:
     return hashlib.sha256(json.dumps([views, rows], default=str).encode()).hexdigest()
 
 
-def _verified_catalog(root: str | Path) -> tuple[duckdb.DuckDBPyConnection, list[str]] | None:
+def _verified_catalog(root: RootLike) -> tuple[duckdb.DuckDBPyConnection, list[str]] | None:
     """A read-only connection to the catalog file and the files its views read, when nothing under the
     root changed since `refresh` verified it (the same folder, fingerprint and code version, the
     views as written); None otherwise (the caller verifies)."""
@@ -1147,7 +1147,7 @@ def _verified_catalog(root: str | Path) -> tuple[duckdb.DuckDBPyConnection, list
     return None
 
 
-def _refreshed(root: str | Path) -> bool:
+def _refreshed(root: RootLike) -> bool:
     """For a reader that found the catalog out of date (files changed, or written by another code
     version): rebuild it now, so that the next query reads it without verifying again. False where
     that cannot be done at once (an object store, another process refreshing it or holding it open
@@ -1161,7 +1161,7 @@ def _refreshed(root: str | Path) -> bool:
     return True
 
 
-def connect(root: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+def connect(root: RootLike, read_only: bool = False) -> duckdb.DuckDBPyConnection:
     """A connection with the catalog's views. `read_only` on a root unchanged since the last refresh
     (`_verified_catalog`, the catalog refreshed first when it is not: `_refreshed`): the catalog file
     itself, read-only, without verifying again; otherwise an in-memory connection whose views are made
@@ -1218,7 +1218,7 @@ class QueryTimeout(Exception):
     """A query ran past its time limit and was interrupted."""
 
 
-def fetch(root: str | Path, sql: str, params: list[object] | None = None, write: bool = False,
+def fetch(root: RootLike, sql: str, params: list[object] | None = None, write: bool = False,
           timeout_s: float | None = None) -> tuple[list[str], list[tuple[object, ...]]]:
     """`query` as column names and rows, without polars (what `updatelens sql` prints: its import is
     most of a small query's time). The query runs in a worker thread while this one waits, so a
@@ -1262,7 +1262,7 @@ def fetch(root: str | Path, sql: str, params: list[object] | None = None, write:
         raise error
 
 
-def query(root: str | Path, sql: str, params: list[object] | None = None, write: bool = False) -> pl.DataFrame:
+def query(root: RootLike, sql: str, params: list[object] | None = None, write: bool = False) -> pl.DataFrame:
     """Run SQL over the stored tables, with `$1`.. bound to `params`; returns a polars frame (empty
     for statements without rows). Unless `write`, only reading statements run: a COPY ... TO, CREATE,
     ATTACH, INSTALL or SET is refused (ReadOnlyError) before anything executes, and the engine

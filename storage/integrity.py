@@ -29,7 +29,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from upath import UPath
 
-from updatelens.storage.location import as_root, is_local, url
+from updatelens.storage.location import RootLike, as_root, is_local, local_path, url
 
 QUARANTINE = "_quarantine"
 MANIFEST = "manifest.json"
@@ -56,7 +56,7 @@ def _metadata(path: UPath) -> pq.FileMetaData:
         return pq.read_metadata(handle)
 
 
-def _footer(path: str | Path, rows: int | None = None) -> tuple[pq.FileMetaData | None, str | None]:
+def _footer(path: RootLike, rows: int | None = None) -> tuple[pq.FileMetaData | None, str | None]:
     """A stored Parquet file's footer, and why the file cannot be read (None: the footer reads and the
     file has rows, `rows` of them when given; none where its manifest says so: a stage that had
     nothing to store for the layer, e.g. the controls stage with no positive control)."""
@@ -73,7 +73,7 @@ def _footer(path: str | Path, rows: int | None = None) -> tuple[pq.FileMetaData 
     return meta, None
 
 
-def folder_identity(path: str | Path) -> dict[str, object] | None:
+def folder_identity(path: RootLike) -> dict[str, object] | None:
     """The (table, model, layer) a partition file's folder stands for:
     `.../<table>/model=<m>/layer=<l>/<file>`; None for a file outside that layout (a sweep record)."""
     path = as_root(path)
@@ -103,7 +103,7 @@ def _column_values(meta: pq.FileMetaData, column: str) -> set[object] | None:
     return values
 
 
-def identity_error(path: str | Path, entry: dict, meta: pq.FileMetaData) -> str | None:
+def identity_error(path: RootLike, entry: dict, meta: pq.FileMetaData) -> str | None:
     """Why a partition file holds another partition than its folder says (None: its manifest and its
     rows' `model`, `layer` and `config_id` agree with the folder and with each other)."""
     expected = folder_identity(path)
@@ -127,10 +127,10 @@ def identity_error(path: str | Path, entry: dict, meta: pq.FileMetaData) -> str 
     return None
 
 
-def sha256_of(path: str | Path) -> str:
+def sha256_of(path: RootLike) -> str:
     path = as_root(path)
     digest = hashlib.sha256()
-    with (open(path, "rb") if is_local(path) else path.fs.open(path.path, "rb")) as handle:
+    with (open(local_path(path), "rb") if is_local(path) else path.fs.open(path.path, "rb")) as handle:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -151,7 +151,7 @@ def write_manifest(file: Path, table: str, rows: int, provenance: dict[str, obje
     return target
 
 
-def read_manifest(file: str | Path) -> dict | None:
+def read_manifest(file: RootLike) -> dict | None:
     """The manifest entry of a stored partition file, or None when it has none (or another file's)."""
     path = as_root(file).parent / MANIFEST
     try:
@@ -207,7 +207,7 @@ def layout_error(path: UPath) -> str | None:
     return None
 
 
-def partition_error(file: str | Path, full: bool = False) -> str | None:
+def partition_error(file: RootLike, full: bool = False) -> str | None:
     """Why a stored partition file cannot be trusted (None: listed in its manifest with this size
     and checksum, and its footer reads). A local file whose size and modification time are still the
     ones its manifest recorded when it was written is not hashed again unless `full` (`updatelens
@@ -257,7 +257,7 @@ def _mark_damage(path: UPath, entry: dict, reason: str) -> None:
     os.replace(temporary, target)
 
 
-def recorded_damage(file: str | Path, entry: dict | None = None) -> str | None:
+def recorded_damage(file: RootLike, entry: dict | None = None) -> str | None:
     """What a full verification recorded wrong with this partition, while its manifest is still the one
     it checked (a partition written anew has another: the mark no longer applies); None otherwise."""
     path = as_root(file)
@@ -277,7 +277,7 @@ def _key(value: str) -> str:
     return value.split("=", 1)[1]
 
 
-def scan(root: str | Path, tables: tuple[str, ...], prefix: str = "",
+def scan(root: RootLike, tables: tuple[str, ...], prefix: str = "",
          full: bool = False) -> tuple[dict[str, list[str]], list[Damaged]]:
     """The partition files of each table under `<root>/<prefix>` (prefix: "" for the main tables,
     "sweeps/config=*/" or "convergence/n_seq=*/" for a family of data roots) that verify, and those
@@ -299,7 +299,7 @@ def scan(root: str | Path, tables: tuple[str, ...], prefix: str = "",
     return good, damaged
 
 
-def quarantine(root: str | Path, file: str | Path, relative: str | None = None) -> UPath:
+def quarantine(root: RootLike, file: RootLike, relative: str | None = None) -> UPath:
     """Move a damaged file, and the manifest beside it when it lists that file, to `<root>/_quarantine/<time>/<its path under
     root>` (or `relative`, for a file already moved out of its place); returns where the file went."""
     stamp = time.strftime("%Y%m%dT%H%M%S")
@@ -323,8 +323,8 @@ def quarantine(root: str | Path, file: str | Path, relative: str | None = None) 
         [(mark, target.parent / DAMAGE_MARK)] if listed and recorded_damage(file) is not None else [])
     for source, destination in moves:
         if is_local(root):
-            Path(destination).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(source, destination)
+            local_path(destination).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(local_path(source), local_path(destination))
         else:
             root.fs.mv(source.path, destination.path)
     if is_local(root):
@@ -335,7 +335,7 @@ def quarantine(root: str | Path, file: str | Path, relative: str | None = None) 
     return target
 
 
-def layer_runs(root: str | Path, model: str, layer: int, tables: tuple[str, ...]) -> dict[str, list[str]]:
+def layer_runs(root: RootLike, model: str, layer: int, tables: tuple[str, ...]) -> dict[str, list[str]]:
     """The configuration each table of a (model, layer) was written under, from the manifests: one key
     where the layer's tables agree; more after a run with other settings stopped between its stages.
     An empty partition (its rows state none) does not count. The tables' code versions may differ:
@@ -349,7 +349,7 @@ def layer_runs(root: str | Path, model: str, layer: int, tables: tuple[str, ...]
     return runs
 
 
-def stored_revisions(root: str | Path, model: str, tables: tuple[str, ...],
+def stored_revisions(root: RootLike, model: str, tables: tuple[str, ...],
                      stored: dict[tuple[str, int], set[str]] | None = None) -> dict[str, list[int]]:
     """{model_revision: its layers} over the manifests of a model's stored partitions with rows: the
     weights each layer's rows were made with (models.recorded_revision, its fingerprint). More than one
@@ -366,7 +366,7 @@ def stored_revisions(root: str | Path, model: str, tables: tuple[str, ...],
     return {revision: sorted(layers) for revision, layers in sorted(found.items())}
 
 
-def mixed_weights(root: str | Path, tables: tuple[str, ...]) -> dict[str, dict[str, list[int]]]:
+def mixed_weights(root: RootLike, tables: tuple[str, ...]) -> dict[str, dict[str, list[int]]]:
     """{model: {model_revision: layers}} for every model whose stored rows come from more than one set
     of weights under its one name (`stored_revisions`); the root's files listed once for all models."""
     stored = stored_layers(root, tables)
@@ -375,7 +375,7 @@ def mixed_weights(root: str | Path, tables: tuple[str, ...]) -> dict[str, dict[s
             if len(revisions := stored_revisions(root, model, tables, stored)) > 1}
 
 
-def stored_layers(root: str | Path, tables: tuple[str, ...]) -> dict[tuple[str, int], set[str]]:
+def stored_layers(root: RootLike, tables: tuple[str, ...]) -> dict[tuple[str, int], set[str]]:
     """The tables stored for each (model, layer), from the files under the layout's folders (another
     spelling of a layer is listed as damaged by `scan`, not counted as the layer)."""
     root = as_root(root)
@@ -388,7 +388,7 @@ def stored_layers(root: str | Path, tables: tuple[str, ...]) -> dict[tuple[str, 
     return stored
 
 
-def mixed_layers(root: str | Path, tables: tuple[str, ...]) -> list[tuple[str, int, dict[str, list[str]]]]:
+def mixed_layers(root: RootLike, tables: tuple[str, ...]) -> list[tuple[str, int, dict[str, list[str]]]]:
     """(model, layer, tables per config_id) of every stored layer whose tables were written under more
     than one configuration: not one run's results."""
     out = []
@@ -399,7 +399,7 @@ def mixed_layers(root: str | Path, tables: tuple[str, ...]) -> list[tuple[str, i
     return out
 
 
-def incomplete_layers(root: str | Path, tables: tuple[str, ...]) -> list[tuple[str, int, list[str]]]:
+def incomplete_layers(root: RootLike, tables: tuple[str, ...]) -> list[tuple[str, int, list[str]]]:
     """(model, layer, missing tables) of every layer with some of its tables stored but not all
     (a deleted partition, or a run that stopped between stages)."""
     stored = stored_layers(root, tables)

@@ -39,10 +39,10 @@ import pyarrow.parquet as pq
 from upath import UPath
 
 from updatelens.storage.integrity import MANIFEST, PART_FILE, partition_error, quarantine, write_manifest
-from updatelens.storage.location import as_root, is_local, url
+from updatelens.storage.location import RootLike, as_root, is_local, local_path, url
 
 # a local path or an object-store one (storage.location.as_root makes either a UPath)
-PathLike = str | Path | UPath
+PathLike = RootLike
 STAGING = "_staging"
 # beside a `<pid>-<uuid>.old` folder moved out of its place (the two-rename fallback of staged_dir):
 # where it came from, so that an abandoned one is put back when nothing replaced it
@@ -57,11 +57,11 @@ STALE_STAGING_S = 3600.0
 LOCK_DIR_ENV = "UPDATELENS_LOCK_DIR"
 
 
-def partition_dir(root: str | Path, table: str, model: str, layer: int) -> UPath:
+def partition_dir(root: RootLike, table: str, model: str, layer: int) -> UPath:
     return as_root(root) / table / f"model={model}" / f"layer={layer}"
 
 
-def partition_file(root: str | Path, table: str, model: str, layer: int) -> UPath:
+def partition_file(root: RootLike, table: str, model: str, layer: int) -> UPath:
     return partition_dir(root, table, model, layer) / PART_FILE
 
 
@@ -203,7 +203,7 @@ def publish_dir(root: PathLike, final: PathLike, fill: Callable[[Path], None]) -
 
 
 @contextmanager
-def partition_writer(root: str | Path, table_name: str, model: str, layer: int,
+def partition_writer(root: RootLike, table_name: str, model: str, layer: int,
                      validate: Callable[[pa.Table], None] | None = None) -> Iterator[ParquetSink]:
     """Write one partition incrementally (`sink.write(rows)` per batch); it is committed whole when
     the block exits normally, and never appears if it fails. Memory: one batch at a time."""
@@ -272,7 +272,7 @@ def read_file(path: PathLike, columns: list[str] | None = None) -> pa.Table:
 def iter_parts(path: PathLike, columns: list[str] | None = None) -> Iterator[pa.Table]:
     """A stored file one row group at a time (memory: one row group)."""
     path = as_root(path)
-    handle = open(path, "rb") if is_local(path) else path.fs.open(path.path, "rb")
+    handle = open(local_path(path), "rb") if is_local(path) else path.fs.open(path.path, "rb")
     with handle, pq.ParquetFile(handle) as pf:
         for i in range(pf.num_row_groups):
             yield pf.read_row_group(i, columns=columns)
@@ -288,7 +288,7 @@ def read_seq_range(path: PathLike, lo: int, hi: int, columns: list[str] | None =
     return pq.read_table(path.path, filesystem=path.fs, columns=columns, filters=filters)
 
 
-def write_partition(root: str | Path, table_name: str, model: str, layer: int, table: pa.Table,
+def write_partition(root: RootLike, table_name: str, model: str, layer: int, table: pa.Table,
                     validate: Callable[[pa.Table], None] | None = None) -> UPath:
     """Replace one partition whole (`validate` called on the table first); returns the final file path."""
     final = partition_dir(root, table_name, model, layer)
@@ -297,7 +297,7 @@ def write_partition(root: str | Path, table_name: str, model: str, layer: int, t
     return final / PART_FILE
 
 
-def clean_abandoned_staging(root: str | Path) -> list[str]:
+def clean_abandoned_staging(root: RootLike) -> list[str]:
     """Remove what a crashed writer left anywhere under the root: the staging dirs of the main tables
     and of every family root (each sweep configuration, each convergence size), and sweeps computed
     out of sight whose process is gone (`next_sweep_root`); locally those whose process is gone, on an
@@ -317,7 +317,7 @@ def clean_abandoned_staging(root: str | Path) -> list[str]:
     return removed
 
 
-def _clean_staging(root: str | Path) -> list[str]:
+def _clean_staging(root: RootLike) -> list[str]:
     """The abandoned staging dirs of one root (the main tables' or a family's)."""
     root = as_root(root)
     removed: list[str] = []
@@ -345,10 +345,10 @@ def _clean_staging(root: str | Path) -> list[str]:
         if marker.exists():  # a folder its writer moved aside and never replaced: put it back
             target = Path(marker.read_text())
             if not target.exists() and entry.exists():
-                os.rename(entry, target)
+                os.rename(local_path(entry), local_path(target))
             marker.unlink(missing_ok=True)
         if entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
+            shutil.rmtree(local_path(entry), ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
         removed.append(entry.name)
@@ -365,13 +365,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def lock_dir(root: str | Path) -> Path:
+def lock_dir(root: RootLike) -> Path:
     """Lock files: `<root>/_locks` for a local root; for an object store a local folder per root
     ($UPDATELENS_LOCK_DIR or the temp dir), which serialises the processes of one host only:
     across hosts, single-object commits keep every partition whole (last writer wins)."""
     root = as_root(root)
     if is_local(root):
-        return Path(root) / LOCKS
+        return local_path(root) / LOCKS
     base = Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "updatelens-locks")
     return base / hashlib.sha1(url(root).encode()).hexdigest()[:16]
 
@@ -388,14 +388,14 @@ def _flock(path: Path) -> Iterator[None]:
 
 
 @contextmanager
-def model_lock(root: str | Path, model: str) -> Iterator[None]:
+def model_lock(root: RootLike, model: str) -> Iterator[None]:
     """Serialise whole-model operations (a convention sweep replacing the model's sweep)."""
     with _flock(lock_dir(root) / f"{model}.lock"):
         yield
 
 
 @contextmanager
-def partition_locks(root: str | Path, model: str, layers: Iterable[int]) -> Iterator[None]:
+def partition_locks(root: RootLike, model: str, layers: Iterable[int]) -> Iterator[None]:
     """Serialise the steps of concurrent runs that write the same (model, layer) partitions; runs
     on other layers or models proceed in parallel. Taken in layer order, so never deadlocks."""
     with ExitStack() as stack:
@@ -404,7 +404,7 @@ def partition_locks(root: str | Path, model: str, layers: Iterable[int]) -> Iter
         yield
 
 
-def existing_partition_file(root: str | Path, table_name: str, model: str, layer: int) -> UPath:
+def existing_partition_file(root: RootLike, table_name: str, model: str, layer: int) -> UPath:
     """A partition's file; FileNotFoundError naming the partition when it is not there."""
     path = partition_file(root, table_name, model, layer)
     if not path.exists():
@@ -413,7 +413,7 @@ def existing_partition_file(root: str | Path, table_name: str, model: str, layer
     return path
 
 
-def read_partition(root: str | Path, table_name: str, model: str, layer: int,
+def read_partition(root: RootLike, table_name: str, model: str, layer: int,
                    columns: list[str] | None = None) -> pa.Table:
     """All or some columns of one partition (the scalar ones are small whatever the vectors weigh)."""
     return read_file(existing_partition_file(root, table_name, model, layer), columns)
@@ -436,7 +436,7 @@ def _remove_dir(root: UPath, path: UPath) -> bool:
     return True
 
 
-def delete_partition(root: str | Path, table_name: str, model: str, layer: int) -> None:
+def delete_partition(root: RootLike, table_name: str, model: str, layer: int) -> None:
     _remove_dir(as_root(root), partition_dir(root, table_name, model, layer))
 
 
@@ -446,11 +446,11 @@ def _any(base: UPath, pattern: str) -> bool:
     return any(base.glob(pattern))
 
 
-def has_files(root: str | Path, table_name: str) -> bool:
+def has_files(root: RootLike, table_name: str) -> bool:
     return _any(as_root(root) / table_name, f"model=*/layer=*/{PART_FILE}")
 
 
-def has_model(root: str | Path, table_name: str, model: str) -> bool:
+def has_model(root: RootLike, table_name: str, model: str) -> bool:
     return _any(as_root(root) / table_name / f"model={model}", f"layer=*/{PART_FILE}")
 
 
@@ -464,11 +464,11 @@ SWEEPS = "sweeps"  # its tables: updatelens.stages.SWEEP_TABLES
 SWEEP_RUN_FILE = "run.parquet"
 
 
-def sweep_root(root: str | Path, config_id: str) -> UPath:
+def sweep_root(root: RootLike, config_id: str) -> UPath:
     return as_root(root) / SWEEPS / f"config={config_id}"
 
 
-def sweep_runs_dir(root: str | Path, model: str) -> UPath:
+def sweep_runs_dir(root: RootLike, model: str) -> UPath:
     return as_root(root) / SWEEPS / "runs" / f"model={model}"
 
 
@@ -477,11 +477,11 @@ def sweep_runs_glob() -> str:
     return f"{SWEEPS}/runs/model=*/config=*/{SWEEP_RUN_FILE}"
 
 
-def has_sweep_runs(root: str | Path) -> bool:
+def has_sweep_runs(root: RootLike) -> bool:
     return _any(as_root(root) / SWEEPS / "runs", f"model=*/config=*/{SWEEP_RUN_FILE}")
 
 
-def write_sweep_run(root: str | Path, model: str, config_id: str, record: pa.Table) -> UPath:
+def write_sweep_run(root: RootLike, model: str, config_id: str, record: pa.Table) -> UPath:
     final = sweep_runs_dir(root, model) / f"config={config_id}"
     publish_dir(root, final, lambda staging: _write_parquet(record, staging / SWEEP_RUN_FILE, "sweep_runs"))
     return final / SWEEP_RUN_FILE
@@ -492,14 +492,14 @@ def write_sweep_run(root: str | Path, model: str, config_id: str, record: pa.Tab
 NEXT_SWEEP = "_next"
 
 
-def next_sweep_root(root: str | Path) -> UPath:
+def next_sweep_root(root: RootLike) -> UPath:
     """Where a sweep in progress writes its configurations' tables (a root whose sweeps are the new
     sweep: `sweep_root(next_sweep_root(root), config_id)` per configuration), out of the catalog's sight until
     `promote_sweep`; the pid tells an abandoned one (its process is gone) from a live one."""
     return as_root(root) / SWEEPS / NEXT_SWEEP / f"{os.getpid()}-{uuid.uuid4().hex}"
 
 
-def promote_sweep(root: str | Path, staged: UPath, model: str,
+def promote_sweep(root: RootLike, staged: UPath, model: str,
                   records: dict[str, pa.Table]) -> None:
     """Replace a model's sweep with the complete one computed under `staged` (`next_sweep_root`), whose
     run records are `records` (config id -> record). Each partition moves into place whole (the old
@@ -538,7 +538,7 @@ def promote_sweep(root: str | Path, staged: UPath, model: str,
                 os.rmdir(str(partition.parent))  # the model's folder, once empty
 
 
-def remove_next_sweep(root: str | Path, staged: UPath) -> None:
+def remove_next_sweep(root: RootLike, staged: UPath) -> None:
     """Remove a sweep's staged tables (after its promotion, or its failure)."""
     root = as_root(root)
     _remove_dir(root, staged)
@@ -547,7 +547,7 @@ def remove_next_sweep(root: str | Path, staged: UPath) -> None:
             os.rmdir(str(staged.parent))  # `_next`, when no other sweep is in progress
 
 
-def clear_sweeps(root: str | Path, model: str) -> int:
+def clear_sweeps(root: RootLike, model: str) -> int:
     """Remove a model's sweep records and partitions (a rerun of its sweep replaces it whole);
     returns how many directories went. Records go first, so no half-removed config is listed."""
     root = as_root(root)
@@ -565,5 +565,5 @@ def clear_sweeps(root: str | Path, model: str) -> int:
 CONVERGENCE = "convergence"
 
 
-def convergence_root(root: str | Path, n_seq: int) -> UPath:
+def convergence_root(root: RootLike, n_seq: int) -> UPath:
     return as_root(root) / CONVERGENCE / f"n_seq={n_seq}"

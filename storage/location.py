@@ -21,6 +21,9 @@ from upath import UPath
 from updatelens.config import json_object_env
 from updatelens.errors import ConfigError
 
+# A data root, or a path under one: a local path (str or os.PathLike) or a UPath (local or an object store)
+RootLike = str | os.PathLike[str] | UPath
+
 STORAGE_OPTIONS_ENV = "UPDATELENS_STORAGE_OPTIONS"
 # The listing cache of an object-store filesystem would hide what other workers wrote.
 _DEFAULT_OPTIONS: dict[str, dict[str, object]] = {"s3": {"use_listings_cache": False}}
@@ -31,7 +34,7 @@ def default_data_root() -> str:
     return os.environ.get("UPDATELENS_DATA", str(Path.cwd() / "data"))
 
 
-def is_url(root: str | os.PathLike[str]) -> bool:
+def is_url(root: RootLike) -> bool:
     text = str(root)
     return "://" in text and not text.startswith("file://")
 
@@ -57,7 +60,12 @@ def storage_options(protocol: str) -> dict[str, object]:
     return options
 
 
-def as_root(root: str | os.PathLike[str]) -> UPath:
+def local_path(path: RootLike) -> Path:
+    """A local path (a root or a path under one, as str, Path or local UPath) as a pathlib Path."""
+    return Path(path.path) if isinstance(path, UPath) else Path(path)
+
+
+def as_root(root: RootLike) -> UPath:
     """A data root (or any path under it) as a UPath: local paths absolute, URLs with their options."""
     if isinstance(root, UPath):
         return root
@@ -76,7 +84,7 @@ def as_root(root: str | os.PathLike[str]) -> UPath:
     return UPath(text, **options)
 
 
-def is_local(path: str | os.PathLike[str]) -> bool:
+def is_local(path: RootLike) -> bool:
     return isinstance(as_root(path), pathlib.Path)
 
 

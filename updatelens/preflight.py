@@ -79,8 +79,9 @@ def estimate_bytes(cfg: AnalysisConfig, n_layers: int, d_model: int) -> int:
     return tokens * n_layers * d_model * BYTES_PER_VALUE * vectors_per_token
 
 
-def check_data_root(root: Path | str, bytes_needed: int = 0) -> None:
-    """The data root is writable and (locally) has room: checked before any heavy work."""
+def check_data_root(root: object, bytes_needed: int = 0) -> None:
+    """The data root (a path, a URL or a storage UPath: its text is read) is writable and (locally) has
+    room: checked before any heavy work."""
     if "://" in str(root) and not str(root).startswith("file://"):
         _check_object_root(root)
         return
@@ -127,7 +128,7 @@ def check_device(device: str) -> None:
         raise ConfigError(f"device={device!r}, but only {torch.cuda.device_count()} CUDA device(s) are present")
 
 
-def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_root: Path,
+def preflight(entry: ModelEntry, corpus: CorpusEntry, cfg: AnalysisConfig, data_root: object,
               layers: Sequence[int] | None = None, preset: str | None = None) -> Preflight:
     """`layers`: the layers the run analyses; None: the preset's (e.g. the study's three), or all of
     them. A layer the model does not have is refused before anything is written; the disk check

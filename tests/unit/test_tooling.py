@@ -31,3 +31,22 @@ def test_a_missing_tool_skips_or_fails_under_require_all(tmp_path: Path, require
     assert (run.returncode != 0) == bool(required)
     if required:
         assert "no-such-tool-updatelens is not installed" in run.stdout and "UPDATELENS_REQUIRE_ALL=1" in run.stdout
+
+
+PLANTED = """from updatelens.storage.location import as_root
+
+ROOT = as_root({argument})
+"""
+
+
+@pytest.mark.parametrize("argument, fails", [("42", True), ("'data'", False)])
+def test_lint_checks_types_across_the_folders(tmp_path: Path, argument: str, fails: bool) -> None:
+    """`make lint`'s type check reads the folders as the installed package: a module of reports/ that
+    calls storage/ with a wrong type fails it, naming the repository's path; the right type passes."""
+    from tests.typecheck import check
+
+    done = check(tree=tmp_path / "tree", planted={"reports/planted.py": PLANTED.format(argument=argument)},
+                 targets=("updatelens/reports/planted.py",))
+    assert (done.returncode != 0) == fails, done.stdout
+    if fails:
+        assert 'reports/planted.py:3: error: Argument 1 to "as_root" has incompatible type "int"' in done.stdout
