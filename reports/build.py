@@ -250,7 +250,7 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
     """Regenerate `<root>/reports/<model>/` from the stored tables, showing configuration `config_id`
     where it is stored (else the one covering most layers); raises ReportError if none is."""
     root = as_root(root)
-    with catalog.connect(root) as con:
+    with catalog.connect(root, read_only=True) as con:
         views = _views(con)
         missing = {"layer_summary", "findings", "functional_metrics", "spectra"} - views
         if missing:
@@ -446,7 +446,7 @@ def findings_pivot(findings: pl.DataFrame) -> pl.DataFrame:
 def build_comparison(root: RootLike) -> Report:
     """`<root>/reports/_comparison/`: every model with results, side by side on normalised depth."""
     root = as_root(root)
-    with catalog.connect(root) as con:
+    with catalog.connect(root, read_only=True) as con:
         if "findings" not in _views(con):
             raise ReportError(f"no complete results are stored under {root}; materialize a model first")
         models = _frame(con, "SELECT DISTINCT model FROM layer_summary ORDER BY model")["model"].to_list()
