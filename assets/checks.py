@@ -22,6 +22,7 @@ from updatelens.assets.expectations import Expect, Verdict, between, row_count, 
 from updatelens.config import AnalysisConfig
 from updatelens.findings import EXACT
 from updatelens.fits import LOCAL_FITTERS, FitParams, LayerFit, refit_anchors, torch_dtype
+from updatelens.geometry import CONTEXT_COLUMNS
 from updatelens.models import LoadedModel
 from updatelens.perturbation import OriginalOutput, Variant, patched_kl
 from updatelens.stages import STAGES
@@ -509,8 +510,10 @@ def check_geometry(geometry: pa.Table, spectra: pa.Table, n_kept: int, classes: 
     """The stored geometry: one row per kept token (counted in the activations) and class, each once
     (a block lost or written twice by the streamed stage fails here), every value present and finite,
     in its range; the spectra non-negative and cumulated to at most 1."""
+    # the estimator against the exact split: all null where no self-and-first output was captured
+    absent = {c for c in CONTEXT_COLUMNS if c in geometry.column_names and geometry[c].null_count == len(geometry)}
     ranges = {c: (-1.0, 1.0) if c.startswith("cos_") else (0.0, 180.0) if c.startswith("angle_") else (0.0, 1.0 + 1e-9)
-              for c in geometry.column_names if c.startswith(("cos_", "angle_", "proj_"))}
+              for c in geometry.column_names if c.startswith(("cos_", "angle_", "proj_", "res_share")) and c not in absent}
     frame = geometry.select(["fn_class", "seq", "pos"]).to_pandas()
     # each row's columns that are missing, not finite or out of range, as one column: one expectation
     # (GX runs each expectation as a pass over the frame: one per column would make a pass per column)

@@ -235,6 +235,25 @@ def sensitivity_pivot(sensitivity: pl.DataFrame) -> pl.DataFrame:
     return pivot.select(["finding", *baseline, *[c for c in order if c not in baseline]])
 
 
+AGAINST_EXACT = ("cos_res_ctx_median", "res_share_ctx_mean", "cos_tok_ctl_median")
+
+
+def _against_exact(summary: pl.DataFrame, model: str) -> str:
+    """The fitted classes' split against the exact one, per layer (layer_summary), where y_ctl was captured."""
+    if not set(AGAINST_EXACT) <= set(summary.columns):
+        return ""
+    rows = summary.filter(pl.col("cos_res_ctx_median").is_not_null())
+    if rows.is_empty():
+        return ""
+    table = rows.select("layer", "fn_class", *(pl.col(c).round(3) for c in AGAINST_EXACT)).sort("fn_class", "layer")
+    return ("<h3>The fits against the exact split</h3><p>Is the local fits' residual r the context part a, or "
+            "estimation error? Per layer and class, the median over tokens of cos(r, a), the mean share of "
+            "||r||<sup>2</sup> that lies along a (cos<sup>2</sup>), and the median cos(Δ_tok, Δ_ctl) (is the fitted "
+            "tokenwise update the token's own?). A residual that is the context part has both near 1; pure "
+            "estimation error, near 0. Bands: <code>SELECT * FROM layer_bands WHERE model = '"
+            + html.escape(model) + "'</code>.</p>" + html_table(table, ()))
+
+
 def report_problems(report: Report, captions: dict[str, str]) -> list[str]:
     """What the written page lacks: a figure's PNG, or its inlining in index.html, and a findings row
     for every declared finding (updatelens.findings). Empty when the report is complete."""
@@ -366,7 +385,8 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
                 + html.escape(model) + "'</code>; per token: <code>context_split</code>.</p>"
                 + _figure_section("context_split", CONTEXT_SPLIT_CAPTION, staging / "context_split.png")
                 + html_table(split.select(["layer", "n_tokens", *[c for c in split.columns if c.endswith("_median")]]),
-                             ()))
+                             ())
+                + _against_exact(summary, model))
         if sensitivity is not None and not sensitivity.is_empty():
             sections.append(
                 "<h2>Sensitivity to the conventions</h2><p>Each finding re-measured with one convention changed "

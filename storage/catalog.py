@@ -79,27 +79,18 @@ SELECT model, layer, fn_class, config_id,
        any_value(k) AS k, any_value(rank) AS rank, any_value(dtype) AS dtype,
        any_value(code_version) AS code_version,
        count(*) AS n_tokens,
-       {rel_err_median},
        avg(rel_err) AS rel_err_mean,
-       {cos_full_tok_median},
-       {cos_full_tok_map_median},
        median(cos_full_res) AS cos_full_res_median,
        median(angle_full_res) AS angle_full_res_median,
-       {frac_res_angle_gt60},
-       {frac_res_tok_angle_gt60},
        avg(proj_full_m16) AS proj_full_m16,
        avg(proj_tok_m16) AS proj_tok_m16,
-       {proj_res_m16},
        any_value(m90_tok) AS m90_tok,
        any_value(model_layers) AS model_layers,
-       {cos_full_tok_median_null},
-       {cos_full_tok_map_median_null},
-       {frac_res_angle_gt60_null},
-       {frac_res_tok_angle_gt60_null},
-       {proj_res_m16_null}
+       {statistics}
 FROM {{geometry}}
 GROUP BY model, layer, fn_class, config_id
-""".format(**{name: f"{aggregate_sql(column, how)} AS {name}" for name, column, how in GEOMETRY_STATISTIC_DEFS})
+""".format(statistics=",\n       ".join(f"{aggregate_sql(column, how)} AS {name}"
+                                        for name, column, how in GEOMETRY_STATISTIC_DEFS))
 
 LAYER_SUMMARY_FUNCTIONAL = """
 SELECT model, layer, fn_class, config_id,

@@ -50,6 +50,10 @@ GEOMETRY_STATISTIC_DEFS: tuple[tuple[str, str, str], ...] = (
     ("frac_res_angle_gt60_null", "angle_full_res_null", "share_gt60"),
     ("frac_res_tok_angle_gt60_null", "angle_tok_res_null", "share_gt60"),
     ("proj_res_m16_null", "proj_null_m16", "mean"),
+    # the estimator against the exact split (NaN where no self-and-first output was captured)
+    ("cos_res_ctx_median", "cos_res_ctx", "median"),
+    ("res_share_ctx_mean", "res_share_ctx", "mean"),
+    ("cos_tok_ctl_median", "cos_tok_ctl", "median"),
 )
 GEOMETRY_STATISTICS: tuple[str, ...] = tuple(name for name, _, _ in GEOMETRY_STATISTIC_DEFS)
 ANGLE_GT = 60  # degrees: `share_gt60` is the share of tokens whose angle exceeds it (the paper's "> 60°")

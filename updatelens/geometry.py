@@ -116,6 +116,21 @@ def unrelated_alignment(dec: Decomposition, x: np.ndarray, partners: np.ndarray)
             "cos_full_tok_map_null": cosine(x64 + dec.delta_full, x64 + other)}
 
 
+# The estimator against the exact split, per token (where the self-and-first output y_ctl was captured)
+CONTEXT_COLUMNS = ("cos_res_ctx", "res_share_ctx", "cos_tok_ctl")
+
+
+def context_alignment(dec: Decomposition, x: np.ndarray, y_ctl: np.ndarray) -> dict[str, np.ndarray]:
+    """The fit's split against the exact one (y = y_ctl + a, Δ_ctl = y_ctl - x): cos(r, a), is the
+    residual the context part?; cos(r, a)^2, the share of ||r||^2 that lies along a; cos(Δ_tok, Δ_ctl),
+    is the fitted tokenwise update the token's own?"""
+    x64, c64 = np.asarray(x, np.float64), np.asarray(y_ctl, np.float64)
+    context = x64 + dec.delta_full - c64
+    cos_res_ctx = cosine(dec.residual, context)
+    return {"cos_res_ctx": cos_res_ctx, "res_share_ctx": cos_res_ctx ** 2,
+            "cos_tok_ctl": cosine(dec.delta_tok, c64 - x64)}
+
+
 @dataclass
 class Subspace:
     basis: np.ndarray  # [d, d] right singular vectors of the stacked Δ_tok, columns by energy

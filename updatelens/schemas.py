@@ -141,6 +141,10 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                 _c("angle_full_res_null", F64, "angle_full_res with the random-direction residual"),
                 _c("angle_tok_res_null", F64, "angle_tok_res with the random-direction residual"),
                 _c("proj_null_m16", F64, "proj_res_m16 of the random-direction residual"),
+                _c("cos_res_ctx", F64, "cos(r, a), a = y - y_ctl the exact split's context part (null without y_ctl)"),
+                _c("res_share_ctx", F64, "cos(r, a)^2: the share of ||r||^2 along a (null without y_ctl)"),
+                _c("cos_tok_ctl", F64, "cos(Δ_tok, Δ_ctl), Δ_ctl = y_ctl - x the exact tokenwise update "
+                                       "(null without y_ctl)"),
                 _c("m90_tok", I32, "the smallest m holding 90 % of the layer's Δ_tok energy")]
     elif table == "spectra":
         body = [FN_CLASS, _c("which", STR, "the stacked vectors: full, tok, res (and their nulls)"),

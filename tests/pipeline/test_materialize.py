@@ -507,3 +507,21 @@ def test_a_read_only_root_gets_one_line_from_every_command(run, tmp_path: Path) 
             assert done.returncode == 2 and len(lines) == 1 and "read-only" in lines[0], (command, done.stderr)
     assert outcomes["sql"].returncode == 0 and "n" in outcomes["sql"].stdout  # reading needs no write
     assert outcomes["report"].returncode == 2  # a report is written under the root
+
+
+def test_the_fits_are_set_against_the_exact_split_where_it_was_captured(run) -> None:
+    """The geometry holds cos(r, a), its square and cos(Δ_tok, Δ_ctl) on every row of the models with
+    an attention mask (the self-and-first output captured) and on none of Mamba's; on the exact split
+    measured as an estimator (r = a), cos(r, a) is 1 wherever a is not zero."""
+    lens, _ = run
+    counts = catalog.query(lens.root, "SELECT model, count(cos_res_ctx) AS n, count(*) AS total FROM geometry "
+                                      "GROUP BY model ORDER BY model").rows()
+    assert [(m, n == total, n == 0) for m, n, total in counts] == [
+        ("tiny-gpt2", True, False), ("tiny-llama", True, False), ("tiny-mamba", False, True)]
+    exact = catalog.query(lens.root, "SELECT min(c.cos_res_ctx) AS lo, max(abs(c.res_share_ctx - 1)) AS off "
+                                     "FROM control_geometry c JOIN context_split s USING (model, layer, seq, pos) "
+                                     "WHERE c.control = 'exact' AND s.ctx_ratio > 1e-6").row(0)
+    assert exact[0] == pytest.approx(1.0, abs=1e-9) and exact[1] < 1e-9
+    summary = catalog.query(lens.root, "SELECT count(cos_res_ctx_median) AS n FROM layer_summary "
+                                       "WHERE model = 'tiny-llama'").item()
+    assert summary == N_LAYERS * len(CLASSES)

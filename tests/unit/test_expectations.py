@@ -95,3 +95,23 @@ def test_a_blown_up_fit_is_told_from_a_token_with_a_massive_update() -> None:
     blown[7] = 1e3 * full.max()
     verdict = check_blown_up_fits(table(blown), CheckSettings())
     assert not verdict.passed and verdict.offenders[0]["seq"] == 0 and verdict.offenders[0]["pos"] == 7
+
+
+def test_the_fits_against_the_exact_split_are_all_null_or_all_present_and_in_range() -> None:
+    """The geometry's cos(r, a), share and cos(Δ_tok, Δ_ctl): null on every row where no self-and-first
+    output was captured (passes); a row missing among present ones, or a share above 1, fails."""
+    import pyarrow as pa
+
+    from updatelens.assets.checks import check_geometry
+
+    n = 4
+    base = {"fn_class": ["lowrank"] * n, "seq": list(range(n)), "pos": [1] * n, "cos_full_tok": [0.5] * n}
+    spectra = pa.table({"fn_class": ["lowrank"], "which": ["res"], "idx": [0], "sigma": [1.0], "cum_energy": [1.0]})
+    absent = pa.table({**base, **{c: pa.nulls(n, pa.float64()) for c in ("cos_res_ctx", "res_share_ctx", "cos_tok_ctl")}})
+    assert check_geometry(absent, spectra, n, ["lowrank"]).passed
+    present = {"cos_res_ctx": [0.3, -0.2, 0.9, 0.1], "res_share_ctx": [0.09, 0.04, 0.81, 0.01], "cos_tok_ctl": [0.5] * n}
+    assert check_geometry(pa.table({**base, **present}), spectra, n, ["lowrank"]).passed
+    holed = pa.table({**base, **present, "cos_res_ctx": [0.3, None, 0.9, 0.1], "res_share_ctx": [0.09, 0.04, 1.5, 0.01]})
+    verdict = check_geometry(holed, spectra, n, ["lowrank"])
+    assert not verdict.passed
+    assert {(o["seq"], o["out_of_range"]) for o in verdict.offenders} == {(1, "cos_res_ctx"), (2, "res_share_ctx")}

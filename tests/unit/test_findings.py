@@ -22,8 +22,15 @@ PROV = {"config_id": "c1", "model_revision": "r", "weights": "GGUF Q4_1 dequanti
         "k": 8, "rank": 2, "dtype": "float64", "code_version": "v"}
 
 
+def context_columns(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    """The geometry's columns of the estimator against the exact split (geometry.CONTEXT_COLUMNS)."""
+    cos_res_ctx = rng.uniform(-1, 1, n)
+    return {"cos_res_ctx": cos_res_ctx, "res_share_ctx": cos_res_ctx ** 2, "cos_tok_ctl": rng.uniform(-1, 1, n)}
+
+
 def fixture(root: Path, config_id: str = "c1", seed: int = 0, n_seq: int = 4) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
+    extra = np.random.default_rng(seed + 1)  # columns no finding reads: drawn apart, the others' draws unchanged
     prov = {**PROV, "config_id": config_id, "config_json": json.dumps({"n_seq": n_seq, "seq_len": 128})}
     values: dict[str, np.ndarray] = {}
     for c_i, fn_class in enumerate(CLASSES):
@@ -56,6 +63,7 @@ def fixture(root: Path, config_id: str = "c1", seed: int = 0, n_seq: int = 4) ->
                 "proj_tok_m16": np.zeros(n), "proj_res_m16": values[f"proj_res/{fn_class}"][layer],
                 "m90_tok": pa.array([1] * n, pa.int32()), "model_layers": pa.array([LAYERS] * n, pa.int32()),
                 **{name: values[f"{name}/{fn_class}"][layer] for name in NULL_COLUMNS},
+                **context_columns(extra, n),
                 **{k: [v] * n for k, v in prov.items()}}))
             fs.append(pa.table({
                 "model": ["m"] * 2, "layer": pa.array([layer] * 2, pa.int32()), "fn_class": [fn_class] * 2,
@@ -222,7 +230,7 @@ RANK_RANGES = (("rank_full", 5, 20), ("rank_tok", 5, 20), ("rank_res", 30, 60), 
 def replicate_fixture(root: Path, n_rep: int = 40, seed: int = 5, config_id: str = "c1",
                       n_seq: int = 4) -> dict[str, np.ndarray]:
     """Per-layer statistics of bootstrap resamples (the tables the geometry and functional stages write)."""
-    rng = np.random.default_rng(seed)
+    rng, extra = np.random.default_rng(seed), np.random.default_rng(seed + 1)
     prov = {**PROV, "config_id": config_id, "config_json": json.dumps({"n_seq": n_seq, "seq_len": 128})}
     reps: dict[str, np.ndarray] = {}
     for fn_class in CLASSES:
@@ -238,6 +246,8 @@ def replicate_fixture(root: Path, n_rep: int = 40, seed: int = 5, config_id: str
             reps[f"{name}/{fn_class}"] = rng.uniform(low, high, (n_rep, LAYERS))
         for name, low, high in RANK_RANGES:  # the effective ranks: on the jackknife replicates only
             reps[f"{name}/{fn_class}"] = rng.uniform(low, high, (N_JACK, LAYERS))
+        for name in GEOMETRY_STATISTICS:  # statistics no finding reads: drawn apart, the others' draws unchanged
+            reps.setdefault(f"{name}/{fn_class}", extra.uniform(0.0, 1.0, (n_rep, LAYERS)))
     n = n_rep + N_JACK
     for layer in range(LAYERS):
         geo, fun = [], []

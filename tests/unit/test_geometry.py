@@ -169,3 +169,20 @@ def test_the_shaped_null_is_reachable_when_the_claim_is_true_and_not_when_false(
     assert np.nanmedian(false["proj_res_m16"]) > 0.6 > 16 / 64  # an isotropic null would call it 'opposite'
     assert _null_outcome(true["frac_res_tok_angle_gt60"], true["frac_res_tok_angle_gt60_null"], ">=") == "beyond"
     assert _null_outcome(false["frac_res_tok_angle_gt60"], false["frac_res_tok_angle_gt60_null"], ">=") != "beyond"
+
+
+def test_the_fit_against_the_exact_split_on_hand_examples() -> None:
+    """A fit that recovers y_ctl has r = a (cos 1, all of ||r||^2 along a) and Δ_tok = Δ_ctl; a fit whose
+    residual is orthogonal to a has none of it along a; one at 45 degrees, half."""
+    from updatelens.geometry import context_alignment
+
+    x = np.zeros((3, 3))
+    y = np.array([[1.0, 1.0, 0.0]] * 3)
+    y_ctl = np.array([[1.0, 0.0, 0.0]] * 3)  # Δ_ctl = (1, 0, 0), a = (0, 1, 0)
+    tx = np.array([[1.0, 0.0, 0.0],  # the exact split: r = a
+                   [1.0, 1.0, -1.0],  # r = (0, 0, 1), orthogonal to a
+                   [1.0, 0.0, -1.0]])  # r = (0, 1, 1), at 45 degrees to a
+    m = context_alignment(decompose(x, y, tx), x, y_ctl)
+    np.testing.assert_allclose(m["cos_res_ctx"], [1.0, 0.0, 1 / np.sqrt(2)], atol=1e-12)
+    np.testing.assert_allclose(m["res_share_ctx"], [1.0, 0.0, 0.5], atol=1e-12)
+    np.testing.assert_allclose(m["cos_tok_ctl"][0], 1.0)

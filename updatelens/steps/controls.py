@@ -150,7 +150,7 @@ def control_tables(data: LayerData, y_ctl: np.ndarray | None, neighbours: np.nda
     fitted by every configured class on the real layer's neighbours, then measured by the geometry
     stage's own code. One control's fits in memory at a time."""
     for control, target in control_targets(data, y_ctl, cfg).items():
-        controlled = replace(data, y_full=target)
+        controlled = replace(data, y_full=target, y_ctl_full=None)  # a control's residual is not the layer's
         fits = {c: fit_layer(c, controlled.x, controlled.y, controlled.seq, neighbours, cfg) for c in cfg.classes}
         # the null target serves findings 1 and 1 map (cosines): its effective ranks' jackknife is not read
         measured = cfg.replace(jackknife_groups=0) if control == NULL_TARGET else cfg

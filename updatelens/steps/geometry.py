@@ -18,7 +18,9 @@ from updatelens.config import AnalysisConfig
 from updatelens.findings import JACKKNIFE_FIRST, TOKEN_STATISTICS
 from updatelens.fits import LayerFit
 from updatelens.geometry import (
+    CONTEXT_COLUMNS,
     Subspace,
+    context_alignment,
     decompose,
     null_metrics,
     null_residual,
@@ -102,6 +104,8 @@ class LayerGeometry:
                 if len(self.partners) != len(fit.tx):
                     raise ValueError("paired nulls need the whole layer in one block")
                 metrics.update(unrelated_alignment(dec, data.x, self.partners))
+            if data.y_ctl_full is not None:
+                metrics.update(context_alignment(dec, data.x, data.y_ctl_full[data.kept]))
             n = len(fit.tx)
             cols: dict[str, pa.Array] = {
                 "fn_class": pa.array([fn_class] * n),
@@ -112,6 +116,8 @@ class LayerGeometry:
                 if key.startswith("norm_"):
                     continue  # in residuals
                 cols[key] = pa.array(values, pa.float64())
+            for key in CONTEXT_COLUMNS:  # null where no self-and-first output was captured
+                cols.setdefault(key, pa.nulls(n, pa.float64()))
             cols["m90_tok"] = pa.array([sub.m_energy] * n, pa.int32())
             parts.append(with_provenance(cols, prov, data.layer))
             self.scalars[fn_class].append({"seq": data.seq, **{k: metrics[k] for k in TOKEN_STATISTICS if k in metrics}})
