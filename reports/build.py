@@ -30,6 +30,7 @@ from updatelens.storage.integrity import incomplete_layers, mixed_layers
 from updatelens.storage.layout import publish_dir
 from updatelens.storage.location import RootLike, as_root
 from updatelens.verdicts import VERDICTS
+from updatelens.views import findings_sql
 
 REPORTS = "reports"
 COMPARISON = "_comparison"  # not a valid model slug, so it never collides with one
@@ -410,7 +411,7 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
                         + html_table(summary.select([c for c in summary_cols if c in summary.columns])))
         sections.append("<h2>Configuration</h2><pre>" + html.escape(json.dumps(config, indent=1)) + "</pre>"
                         "<h2>How the findings are derived</h2><pre>"
-                        + html.escape("\n".join(catalog.findings_sql())) + "</pre>")
+                        + html.escape("\n".join(findings_sql())) + "</pre>")
         (staging / "index.html").write_text(_page(title, sections), encoding="utf-8")
 
     directory = publish_dir(root, reports_root(root) / model, fill)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from upath import UPath
 
-from updatelens.storage.location import RootLike, as_root, is_local, local_path, url
+from updatelens.storage.location import RootLike, as_root, is_local, key_value, local_path, url
 
 QUARANTINE = "_quarantine"
 MANIFEST = "manifest.json"
@@ -81,10 +81,10 @@ def folder_identity(path: RootLike) -> dict[str, object] | None:
     if not (layer_dir.name.startswith("layer=") and model_dir.name.startswith("model=")):
         return None
     try:
-        layer = int(_key(layer_dir.name))
+        layer = int(key_value(layer_dir.name))
     except ValueError:
         return None
-    return {"table": model_dir.parent.name, "model": _key(model_dir.name), "layer": layer}
+    return {"table": model_dir.parent.name, "model": key_value(model_dir.name), "layer": layer}
 
 
 def _column_values(meta: pq.FileMetaData, column: str) -> set[object] | None:
@@ -273,10 +273,6 @@ def recorded_damage(file: RootLike, entry: dict | None = None) -> str | None:
     return f"{mark.get('reason')} (found by `updatelens verify` at {mark.get('found_at')})"
 
 
-def _key(value: str) -> str:
-    return value.split("=", 1)[1]
-
-
 def scan(root: RootLike, tables: tuple[str, ...], prefix: str = "",
          full: bool = False) -> tuple[dict[str, list[str]], list[Damaged]]:
     """The partition files of each table under `<root>/<prefix>` (prefix: "" for the main tables,
@@ -294,7 +290,7 @@ def scan(root: RootLike, tables: tuple[str, ...], prefix: str = "",
                 good.setdefault(table, []).append(url(file))
             else:
                 layer = layer_of(file.parent.name)
-                damaged.append(Damaged(url(file), table, _key(file.parent.parent.name), -1 if layer is None else layer,
+                damaged.append(Damaged(url(file), table, key_value(file.parent.parent.name), -1 if layer is None else layer,
                                        reason))
     return good, damaged
 
@@ -384,7 +380,7 @@ def stored_layers(root: RootLike, tables: tuple[str, ...]) -> dict[tuple[str, in
         for file in root.glob(f"{table}/model=*/layer=*/*.parquet"):
             layer = layer_of(file.parent.name)
             if layer is not None:
-                stored.setdefault((_key(file.parent.parent.name), layer), set()).add(table)
+                stored.setdefault((key_value(file.parent.parent.name), layer), set()).add(table)
     return stored
 
 

@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 from upath import UPath
 
 from updatelens.storage.integrity import MANIFEST, PART_FILE, partition_error, quarantine, write_manifest
-from updatelens.storage.location import RootLike, as_root, is_local, local_path, url
+from updatelens.storage.location import RootLike, as_root, is_local, key_value, local_path, url
 
 # a local path or an object-store one (storage.location.as_root makes either a UPath)
 PathLike = RootLike
@@ -524,7 +524,7 @@ def promote_sweep(root: RootLike, staged: UPath, model: str,
     for config_id, record in records.items():
         write_sweep_run(root, model, config_id, record)
     runs = sweep_runs_dir(root, model)
-    dropped = [d for d in sorted(runs.glob("config=*"), key=str) if d.name.split("=", 1)[1] not in records]
+    dropped = [d for d in sorted(runs.glob("config=*"), key=str) if key_value(d.name) not in records]
     for directory in dropped:
         _remove_dir(root, directory)
     if not is_local(root):

@@ -60,6 +60,19 @@ def storage_options(protocol: str) -> dict[str, object]:
     return options
 
 
+def key_value(name: str) -> str:
+    """The value of a `key=value` folder name (a hive partition's: model=..., layer=..., config=...)."""
+    key, eq, value = name.partition("=")
+    if not eq or not key:
+        raise ValueError(f"{name!r} is not a key=value folder name")
+    return value
+
+
+def hive_value(path: str, key: str) -> str:
+    """The value of `key=value` among a path's or URL's folders."""
+    return next(key_value(part) for part in path.split("/") if part.startswith(f"{key}="))
+
+
 def local_path(path: RootLike) -> Path:
     """A local path (a root or a path under one, as str, Path or local UPath) as a pathlib Path."""
     return Path(path.path) if isinstance(path, UPath) else Path(path)

@@ -11,10 +11,11 @@ import pyarrow as pa
 import pytest
 import scipy.stats
 
-from updatelens import findings
+from updatelens import findings, views
 from updatelens.findings import GEOMETRY_STATISTICS
 from updatelens.storage import catalog
 from updatelens.storage.layout import convergence_root, sweep_root, write_partition, write_sweep_run
+from updatelens.views import t975_sql
 
 LAYERS, CLASSES, TOKENS = 6, ("diagonal", "lowrank"), 5
 MIDDLE, OUTER = [2, 3], [0, 1, 4, 5]  # the thirds of a 6-layer model
@@ -164,7 +165,7 @@ def test_the_views_render_the_findings_declared_in_the_engine(tmp_path: Path, mo
         assert rows[finding.id]["threshold_source"] == finding.source and finding.source
     extra = findings.Finding("7", "a planted claim", "max over layers of the median relative error",
                              "max(rel_err_median)", "<=", 10.0, "the test", "max(rel_err_median) + 1", "one more")
-    monkeypatch.setattr(catalog, "FINDINGS", (*findings.FINDINGS, extra))
+    monkeypatch.setattr(views, "FINDINGS", (*findings.FINDINGS, extra))
     catalog.refresh(tmp_path)  # a changed declaration is a new code version: the catalog is rebuilt
     planted = catalog.query(tmp_path, "SELECT fn_class, value, holds FROM findings_by_class WHERE finding = '7'")
     assert sorted(planted["fn_class"].to_list()) == sorted(CLASSES) and all(planted["holds"])
@@ -350,7 +351,7 @@ def test_intervals_are_quantiles_of_the_findings_on_each_resample(tmp_path: Path
 
 def test_the_t_quantiles_of_the_jackknife_are_scipys() -> None:
     for nu in (1, 2, 7, 15, 30, 31, 49, 200):
-        got = duckdb.sql(f"SELECT {catalog.t975_sql(str(nu))} AS t").fetchone()[0]  # type: ignore[index]
+        got = duckdb.sql(f"SELECT {t975_sql(str(nu))} AS t").fetchone()[0]  # type: ignore[index]
         assert got == pytest.approx(scipy.stats.t.ppf(0.975, nu), rel=1e-6, abs=1e-6), nu
 
 
