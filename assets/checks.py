@@ -81,12 +81,15 @@ CHECK_DEFS: dict[str, CheckDef] = {c.name: c for c in [
     CheckDef("rel_err_drift", False, "per class, the 10/50/90 % quantiles of the relative error within "
              "5 % of the partition's previous materialization under the same configuration (a changed "
              "solver or stage shows; nothing to compare on a first materialization)"),
-    CheckDef("geometry_ranges", False, "one row per kept token and class, each once; cosines in [-1, 1], "
-             "angles in [0, 180], projection "
-             "energies in [0, 1], singular values >= 0 and non-increasing"),
-    CheckDef("controls_valid", False, "per positive control: one row per kept token and class, each once, "
-             "every configured control the architecture has present; cosines, angles and projections in "
-             "range, singular values >= 0 and non-increasing"),
+    CheckDef("geometry_ranges", False, "one row per kept token and class, each once; every value present and "
+             "finite: cosines in [-1, 1], angles in [0, 180], projection energies and shares in [0, 1] (the fits "
+             "against the exact split: null on every row where no self-and-first output was captured); singular "
+             "values >= 0, cumulative energies in [0, 1], and the spectrum of the update holding every kept "
+             "token's update once"),
+    CheckDef("controls_valid", False, "every configured control the architecture has, the null target and the "
+             "exact split present, each measured as geometry_ranges measures the real layer; the exact split's "
+             "context_split: one row per kept token in order, ||Δ_full|| the activations' ||y - x||, Δ_ctl + a "
+             "adding up to Δ_full, values in range"),
     CheckDef("functional_valid", False, "KL finite and, before its clamp at 0, not below -rounding; "
              "the random-direction control moves the output (patches are applied); Spearman in [-1, 1] "
              "with enough tokens; the identity patch gives KL 0"),

@@ -15,10 +15,11 @@ import pydantic
 import torch
 from upath import UPath
 
+from updatelens.analysis import model_sample
 from updatelens.assets.checks import CheckSettings
 from updatelens.config import AnalysisConfig, field_help, json_object_env
-from updatelens.corpus import Sample, make_sample
-from updatelens.models import LoadedModel, load_model, recorded_revision, window_first_token
+from updatelens.corpus import Sample
+from updatelens.models import LoadedModel, load_model, recorded_revision
 from updatelens.registry import DEFAULT_CORPUS, get_corpus, get_model, registry_path
 from updatelens.storage.location import as_root, default_data_root
 from updatelens.storage.store import Store
@@ -100,5 +101,4 @@ class UpdateLensResource(dg.ConfigurableResource):
     def sample(self, lm: LoadedModel) -> Sample:
         cfg = self.config()
         entry = get_corpus(self.corpus, Path(self.registry))
-        return make_sample(entry, lm.tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset, cfg.windows_per_doc,
-                           window_first_token(lm.adapter, lm.tokenizer))
+        return model_sample(lm, entry, cfg)

@@ -14,9 +14,10 @@ import pyarrow as pa
 
 from updatelens.capture import capture, self_first_layers
 from updatelens.config import AnalysisConfig
-from updatelens.corpus import Sample
-from updatelens.models import LoadedModel
+from updatelens.corpus import Sample, make_sample
+from updatelens.models import LoadedModel, window_first_token
 from updatelens.perturbation import OriginalOutput, original_output
+from updatelens.registry import CorpusEntry
 from updatelens.stages import TABLES
 from updatelens.steps.activations import activations_table, provenance, token_rows
 from updatelens.steps.controls import CONTROL_TABLES, control_layer_tables
@@ -33,6 +34,14 @@ class LayerResult:
     layer: int
     tables: dict[str, pa.Table]
 
+
+
+def model_sample(lm: LoadedModel, corpus: CorpusEntry, cfg: AnalysisConfig) -> Sample:
+    """The sample `updatelens run` analyses for this model and configuration: n_seq windows of seq_len
+    tokens from the corpus (from cfg.corpus_offset, at most cfg.windows_per_doc per document), each
+    starting with the model's window-first token (models.window_first_token)."""
+    return make_sample(corpus, lm.tokenizer, cfg.n_seq, cfg.seq_len, cfg.corpus_offset, cfg.windows_per_doc,
+                       window_first_token(lm.adapter, lm.tokenizer))
 
 def analyse_layer(lm: LoadedModel, data: LayerData, orig: OriginalOutput, cfg: AnalysisConfig, prov: Provenance,
                   returns_tuple: bool = False, tables: Collection[str] = TABLES,
