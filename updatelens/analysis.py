@@ -35,7 +35,6 @@ class LayerResult:
     tables: dict[str, pa.Table]
 
 
-
 def model_sample(lm: LoadedModel, corpus: CorpusEntry, cfg: AnalysisConfig) -> Sample:
     """The sample `updatelens run` analyses for this model and configuration: n_seq windows of seq_len
     tokens from the corpus (from cfg.corpus_offset, at most cfg.windows_per_doc per document), each
