@@ -296,11 +296,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         build_model_report,
         report_problems,
     )
-    from updatelens.storage.location import existing_root, is_url
+    from updatelens.storage.location import existing_root
     from updatelens.storage.store import Store
 
-    chosen = existing_root(args.data_root, "report")
-    store = Store.open(chosen if is_url(chosen) else str(Path(chosen).resolve()))
+    store = Store.open(existing_root(args.data_root, "report"))  # as_root makes a local path absolute
     config_id = AnalysisConfig.from_dict(_settings(args)).config_id  # the configuration shown first
     stored = store.query("SELECT DISTINCT model FROM layer_summary ORDER BY model") \
         if store.has_files("geometry") else None
