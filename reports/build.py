@@ -431,11 +431,17 @@ def findings_summary(findings: pl.DataFrame) -> pl.DataFrame:
     return findings.select(
         "finding", pl.col("fn_class").alias("class"),
         with_interval("value", "ci_lo", "ci_hi").alias("value [95%]"), "threshold",
-        with_interval("null_value", "null_ci_lo", "null_ci_hi").alias("null [95%]"),
+        (with_interval("null_value", "null_ci_lo", "null_ci_hi") + _shift_p()).alias("null [95%]"),
         pl.col("null_outcome").alias("vs null"),
         (pl.col("control").fill_null("—") + pl.lit(" ") + with_interval("control_value", "control_ci_lo", "control_ci_hi")
          ).alias("tokenwise control [95%]"),
         pl.col("control_outcome").alias("vs control"), verdict.alias("verdict"))
+
+
+def _shift_p() -> pl.Expr:
+    """'; p over all shifts 0.033' where the null was enumerated (Finding.shift_null), else nothing."""
+    p = pl.col("null_p")
+    return pl.when(p.is_not_null()).then(pl.lit("; p over all shifts ") + p.round(3).cast(pl.String)).otherwise(pl.lit(""))
 
 
 # ---- comparison ---------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 # What a measure may read: these per-layer statistics (one row per layer of a class), the effective
 # ranks of the singular spectra of Δ_full, Δ_tok and r (rank_full, rank_tok, rank_res) and of the
 # null's Δ_full and r (rank_full_null, rank_res_null), `layer`, `n_layers` (the model's depth, whatever
-# was analysed) and `perm_layer` (the analysed layers' depths in a random order, one per resample).
+# was analysed) and `perm_layer` (the analysed layers' depths shifted round, one shift per resample: Finding.shift_null).
 # The `_null` statistics are the same measures on the random-direction residual of the same length.
 STATISTICS: tuple[str, ...] = ("rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median",
                                "frac_res_angle_gt60", "frac_res_tok_angle_gt60", "proj_res_m16",
@@ -131,6 +131,11 @@ class Finding:
     # the bootstrap resamples) or "jackknife" (point +- t * the delete-a-group jackknife's standard error
     # over documents: for effective ranks, which a resample drawn with replacement biases low)
     interval: str = "percentile"
+    # the null relabels the analysed layers' depths by a circular shift (`perm_layer`): every one of the
+    # n - 1 non-trivial shifts can be enumerated, so the resamples take them in turn (resample b: shift
+    # 1 + b mod (n - 1)) and `null_p` is the exact share of all n shifts, the identity included, whose
+    # value is at least the real one's on the claimed side (the circular-shift test's p)
+    shift_null: bool = False
 
     @property
     def threshold(self) -> str:
@@ -219,8 +224,10 @@ FINDINGS: tuple[Finding, ...] = (
             MIDDLE_GAP.format(m=MIDDLE.format(layer="layer")), ">=", 0.0,
             "the paper: 'middle layers have larger residuals'; any positive gap",
             MIDDLE_GAP.format(m=MIDDLE.format(layer="perm_layer")),
-            "the same gap with the analysed layers' depths shifted round by a random offset (one per resample): "
-            "neighbouring layers stay together",
+            "the same gap with the analysed layers' depths shifted round by an offset of 1 to n - 1 places, each "
+            "offset in turn over the resamples: neighbouring layers stay together; `null_p` is the share of all n "
+            "shifts (the identity included) whose gap is at least the real one",
+            shift_null=True,
             coverage=(f"count(DISTINCT layer) FILTER (WHERE {MIDDLE.format(layer='layer')}) >= 2 AND "
                       f"count(DISTINCT layer) FILTER (WHERE NOT ({MIDDLE.format(layer='layer')})) >= 2"),
             coverage_note="not measured: it needs at least 2 analysed layers in the middle third of the model's "
@@ -230,7 +237,7 @@ FINDINGS: tuple[Finding, ...] = (
             "most extreme: how much of the gap they carry)",
             INNER_GAP.format(m=MIDDLE.format(layer="layer"), edge=EDGE.format(layer="layer")), ">=", 0.0,
             "as finding 6", INNER_GAP.format(m=MIDDLE.format(layer="perm_layer"), edge=EDGE.format(layer="perm_layer")),
-            "as finding 6's null, on the same inner layers",
+            "as finding 6's null, on the same inner layers", shift_null=True,
             coverage=(f"count(DISTINCT layer) FILTER (WHERE {MIDDLE.format(layer='layer')}) >= 2 AND "
                       f"count(DISTINCT layer) FILTER (WHERE NOT ({MIDDLE.format(layer='layer')}) "
                       f"AND NOT ({EDGE.format(layer='layer')})) >= 2"),

@@ -153,26 +153,41 @@ WITH stats AS ({stats}),
 b AS (
     SELECT stats.*,
            max(model_layers) OVER (PARTITION BY model, config_id) AS n_layers,
-           -- finding 6's null: the depth labels of the analysed layers shifted round by an offset of 1 to
-           -- n - 1 places, one offset per replicate (deterministic: a hash of the replicate). A circular
-           -- shift keeps neighbouring layers together (their statistics are correlated), which a free
-           -- permutation would scatter, so the null keeps the depth profile's smoothness
+           -- finding 6's null (Finding.shift_null): the depth labels of the analysed layers shifted round by
+           -- an offset of 1 to n - 1 places, the offsets taken in turn over the replicates (replicate b:
+           -- 1 + b mod (n - 1)), so every shift is drawn equally often. A circular shift keeps neighbouring
+           -- layers together (their statistics are correlated), which a free permutation would scatter, so
+           -- the null keeps the depth profile's smoothness
            list_sort(list(layer) OVER w)[
                ((row_number() OVER (w ORDER BY layer) - 1
-                 + 1 + CAST(hash(replicate, 'shift') % CAST(greatest(count(*) OVER w - 1, 1) AS UBIGINT) AS BIGINT))
-                % count(*) OVER w) + 1] AS perm_layer
+                 + 1 + abs(replicate) % greatest(count(*) OVER w - 1, 1)) % count(*) OVER w) + 1] AS perm_layer,
+           count(*) OVER w AS n_analysed
     FROM stats
     WINDOW w AS (PARTITION BY model, config_id, fn_class, replicate)
 ), f AS (
 {findings}
+),
+-- the point estimate under every shift 0 .. n - 1 (0: the real depths), for the circular-shift test's p
+shifted AS (
+    SELECT s.* REPLACE (list_sort(list(layer) OVER w)[
+               ((row_number() OVER (w ORDER BY layer) - 1 + shift) % count(*) OVER w) + 1] AS perm_layer)
+    FROM (SELECT *, unnest(range(n_analysed)) AS shift FROM b WHERE replicate = -1) s
+    WINDOW w AS (PARTITION BY model, config_id, fn_class, shift)
+),
+shift_p AS (
+{shift_p}
 )
 -- a null measured by fitting (Finding.null_target): the same finding on the controls stage's null target,
 -- replicate by replicate (the same resamples of the same documents)
 SELECT f.* REPLACE (CASE WHEN f.null_target <> '' AND f.fn_class <> '{exact_class}' THEN n.value ELSE f.null_value END
-                    AS null_value)
+                    AS null_value),
+       sp.null_p
 FROM f LEFT JOIN ({controls}) n
      ON n.control = f.null_target AND n.model = f.model AND n.config_id = f.config_id AND n.fn_class = f.fn_class
         AND n.finding = f.finding AND n.replicate = f.replicate
+LEFT JOIN shift_p sp
+     ON sp.model = f.model AND sp.config_id = f.config_id AND sp.fn_class = f.fn_class AND sp.finding = f.finding
+        AND f.replicate = -1
 """
 
 # Each finding against its threshold, its null and its positive controls (docs/method.md, "Verdicts"):
@@ -204,6 +219,7 @@ per_finding AS (
            quantile_cont(value - null_value, 0.025) FILTER (WHERE replicate >= 0) AS diff_ci_lo,
            quantile_cont(value - null_value, 0.975) FILTER (WHERE replicate >= 0) AS diff_ci_hi,
            count(value) FILTER (WHERE replicate >= 0) AS n_resamples,
+           max(null_p) FILTER (WHERE replicate = -1) AS null_p,
            -- the delete-a-group jackknife (replicates <= -2, `interval` = 'jackknife'): its half-width
            max(null_value) FILTER (WHERE replicate = -1) AS null_point,
            count(value) FILTER (WHERE replicate <= {jackknife_first}) AS n_groups,
@@ -276,7 +292,7 @@ outcomes AS (
 SELECT model, config_id, fn_class, finding, statement, measure, value, threshold,
        CASE op WHEN '>=' THEN value >= bound AND value > null_value
                ELSE value <= bound AND value < null_value END AS holds,
-       ci_lo, ci_hi, null_value, null_ci_lo, null_ci_hi, diff_ci_lo, diff_ci_hi, n_resamples, interval,
+       ci_lo, ci_hi, null_value, null_ci_lo, null_ci_hi, diff_ci_lo, diff_ci_hi, null_p, n_resamples, interval,
        {verdict} AS verdict,
        threshold_outcome, null_outcome, control_role, control, control_value, control_ci_lo, control_ci_hi,
        control_diff_ci_lo, control_diff_ci_hi, control_threshold_outcome, control_outcome,
@@ -604,6 +620,32 @@ def findings_select() -> str:
     return "\n    UNION ALL\n".join(_finding_select(f) for f in FINDINGS)
 
 
+def shift_p_select() -> str:
+    """The circular-shift test of each finding whose null shifts the depths (Finding.shift_null), over
+    `shifted` (the point estimate's layers under every shift, 0 the identity): per (model, config, class)
+    `null_p`, the share of the n shifts whose null value is at least the real value on the claimed side
+    (so at least 1 / n: the identity is one of them). Empty where no finding shifts."""
+    parts = []
+    for f in FINDINGS:
+        if not f.shift_null:
+            continue
+        if f.scope != "class":
+            raise ValueError(f"finding {f.id!r}: a shift null is enumerated per class")
+        side = ">=" if f.op == ">=" else "<="
+        parts.append(
+            f"    SELECT model, config_id, fn_class, {sql_string(f.id)} AS finding,\n"
+            f"           avg(CASE WHEN shifted_value {side} real_value THEN 1.0 ELSE 0.0 END) AS null_p\n"
+            f"    FROM (SELECT model, config_id, fn_class, shift,\n"
+            f"                 CASE WHEN {f.coverage} THEN {f.null} END AS shifted_value,\n"
+            f"                 CASE WHEN {f.coverage} THEN {f.value} END AS real_value\n"
+            f"          FROM shifted GROUP BY model, config_id, fn_class, shift)\n"
+            f"    GROUP BY model, config_id, fn_class HAVING count(real_value) = count(*)")
+    if not parts:
+        return ("    SELECT NULL::VARCHAR AS model, NULL::VARCHAR AS config_id, NULL::VARCHAR AS fn_class, "
+                "NULL::VARCHAR AS finding, NULL::DOUBLE AS null_p WHERE false")
+    return "\n    UNION ALL\n".join(parts)
+
+
 def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str = NO_CONTROLS) -> list[str]:
     """The findings views of one family; with its bootstrap tables, the `layer_replicates` view too.
     `controls`: the relation of the family's positive controls' finding replicates (none: empty)."""
@@ -627,6 +669,7 @@ def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str 
         stats += f" UNION ALL BY NAME SELECT * FROM {prefix}layer_replicates"
     return [*statements,
             FINDING_REPLICATES_SQL.format(name=f"{prefix}finding_replicates", stats=stats, findings=findings_select(),
+                                          shift_p=shift_p_select(),
                                           controls=controls, exact_class=EXACT),
             FINDINGS_BY_CLASS_SQL.format(name=f"{prefix}findings_by_class", replicates=f"{prefix}finding_replicates",
                                          controls=controls, jackknife_first=JACKKNIFE_FIRST,
