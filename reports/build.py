@@ -61,8 +61,10 @@ MODEL_FIGURES: dict[str, str] = {
     "controls": "Left: mean KL with the residual removed, against the controls: a random direction of the same "
                 "norm as r, and the residual kept with a cruder tokenwise part. Right: on the tokens whose effect on "
                 "the rest of the sequence was measured (later_positions per sequence, one position's r removed), "
-                "the mean KL at that position and the mean KL summed over the positions after it, with the "
-                "Spearman correlation of the two across those tokens (right axis).",
+                "the mean KL at that position and the mean KL per later position over the later_horizon positions "
+                "after it, beside the same with the position moved as far in a random direction of the residuals' "
+                "shape (95% bands over documents), and the Spearman correlation of the KL at the position with the "
+                "later one across those tokens (right axis).",
 }
 COMPARISON_FIGURES: dict[str, str] = {
     "comparison_curves": "Per-layer curves of every materialized model against normalised depth, each model on "
@@ -329,7 +331,7 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
         "angle_histograms": lambda: fig.angle_histograms(angles, picks, f"{model}: residual angles"),
         "error_vs_kl": lambda: fig.error_vs_kl(points, picks, f"{model}: error vs output perturbation"),
         "energy_curves": lambda: fig.energy_curves(spectra, picks, f"{model}: singular-value energy"),
-        "controls": lambda: fig.controls(summary, f"{model}: is it the residual's direction or only its size?"),
+        "controls": lambda: fig.controls(summary, f"{model}: is it the residual's direction or only its size?", bands),
     }
     if not split.is_empty():
         drawings["context_split"] = lambda: fig.context_split(split, f"{model}: what attention to the context adds")
@@ -340,7 +342,7 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
                     "frac_res_angle_gt60", "proj_full_m16", "proj_tok_m16", "proj_res_m16", "m90_tok", "kl_mean",
                     "spearman_relerr_kl", "kl_mean_random_control", "kl_mean_crude_control", "kl_mean_context",
                     "spearman_ctx_kl", "kl_ratio_random",
-                    "kl_later_mean", "spearman_kl_later"]
+                    "kl_later_mean", "kl_later_random_mean", "later_ratio_median", "spearman_kl_later"]
     config = json.loads(prov["config_json"])
 
     def fill(staging: Path) -> None:

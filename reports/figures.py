@@ -161,12 +161,14 @@ def energy_curves(spectra: pl.DataFrame, layers: list[int], title: str) -> Figur
     return fig
 
 
-def controls(summary: pl.DataFrame, title: str) -> Figure:
+def controls(summary: pl.DataFrame, title: str, bands: pl.DataFrame | None = None) -> Figure:
     """Left: mean KL per layer, the residual removed vs the random-direction and cruder-class controls.
-    Right: on the tokens whose later effect was measured, the KL at the patched position against the KL
-    summed over the positions after it, and their Spearman correlation (right axis). `summary` has
-    (layer, fn_class, kl_mean, kl_mean_random_control, kl_mean_crude_control, kl_at_mean_on_later,
-    kl_later_mean, spearman_kl_later)."""
+    Right: on the tokens whose later effect was measured, the KL at the patched position, the mean KL per
+    later position over the horizon with r removed there and with the random control's move there instead
+    (95% bands over documents where `bands`, the layer_bands rows, has them), and the Spearman correlation
+    of the KL at the position with the later one (right axis). `summary` has (layer, fn_class, kl_mean,
+    kl_mean_random_control, kl_mean_crude_control, kl_at_mean_on_later, kl_later_mean,
+    kl_later_random_mean, spearman_kl_later)."""
     fig, (ax, later_ax) = plt.subplots(1, 2, figsize=(14, 3.8), constrained_layout=True)
     for fn_class in summary["fn_class"].unique(maintain_order=True).to_list():
         rows = summary.filter(pl.col("fn_class") == fn_class).sort("layer")
@@ -194,7 +196,14 @@ def controls(summary: pl.DataFrame, title: str) -> Figure:
         later_ax.plot(layer, later["kl_at_mean_on_later"].to_numpy(), "o-", ms=3, color="tab:red",
                       label="KL at the patched position")
         later_ax.plot(layer, later["kl_later_mean"].to_numpy(), "s--", ms=3, color="tab:purple",
-                      label="KL summed over the later positions")
+                      label="mean KL per later position, r removed")
+        if "kl_later_random_mean" in later.columns and later["kl_later_random_mean"].is_not_null().any():
+            later_ax.plot(layer, later["kl_later_random_mean"].to_numpy(), "^:", ms=3, color="black",
+                          label="the same, random move of the same length")
+        if bands is not None:
+            primary = bands.filter(pl.col("fn_class") == later["fn_class"][0])
+            band(later_ax, primary, "kl_later_mean", "tab:purple")
+            band(later_ax, primary, "kl_later_random_mean", "black")
         later_ax.set_yscale("log")
         rho_ax = later_ax.twinx()
         rho_ax.plot(layer, later["spearman_kl_later"].to_numpy(), "x:", ms=4, color="gray",

@@ -178,13 +178,17 @@ class ResampledGrams:
     sum, formed a few at a time in `effective_ranks`). The default job (16 documents: a leave-one-out
     jackknife of 16 replicates, `jackknife_groups`) keeps 16 per statistic, the study preset (1,024
     sequences, 50 groups) 50. Stored in float32
-    (their eigenvalues feed an entropy, not a solve); products in float64."""
+    (their eigenvalues feed an entropy, not a solve); products in float64. Beside them, in the same form,
+    the rows' sums and counts (float64), from which each replicate's centred Gram matrix follows:
+    sum_i w_i v_i v_i^T - s s^T / n, s = sum_i w_i v_i, n = sum_i w_i (`centred` ranks)."""
 
     def __init__(self, counts: np.ndarray, d: int) -> None:
         self.counts = counts
         self.per_sequence = counts.shape[1] < counts.shape[0]
         n = counts.shape[1] if self.per_sequence else counts.shape[0]
         self.grams = np.zeros((n, d, d), np.float32)
+        self.sums = np.zeros((n, d))
+        self.rows = np.zeros(n)
 
     def add(self, v: np.ndarray, seq: np.ndarray) -> None:
         """Rows `v` [n_rows, d] of sequences `seq` (whole sequences of a block)."""
@@ -192,38 +196,53 @@ class ResampledGrams:
             return
         if not self.per_sequence:
             self.grams += replicate_grams(v, seq, self.counts).astype(np.float32)
+            seqs, inverse = np.unique(seq, return_inverse=True)
+            per_seq = np.zeros((len(seqs), v.shape[1]))
+            np.add.at(per_seq, inverse, np.asarray(v, np.float64))
+            self.sums += self.counts[:, seqs] @ per_seq
+            self.rows += self.counts[:, seqs] @ np.bincount(inverse).astype(np.float64)
             return
         order = np.argsort(seq, kind="stable")
         v, seq = v[order], seq[order]
         seqs, starts = np.unique(seq, return_index=True)
         for s, lo, hi in zip(seqs, starts, np.append(starts[1:], len(seq))):
             self.grams[s] += (v[lo:hi].T @ v[lo:hi]).astype(np.float32)
+            self.sums[s] += np.asarray(v[lo:hi], np.float64).sum(axis=0)
+            self.rows[s] += hi - lo
 
-    def rank_chunks(self, chunk: int = 4) -> list[Callable[[], np.ndarray]]:
-        """The effective ranks as work items: each forms `chunk` resamples' Gram matrices and returns
-        their ranks (in resample order; `effective_ranks` runs them)."""
+    def rank_chunks(self, chunk: int = 4, centred: bool = False) -> list[Callable[[], np.ndarray]]:
+        """The effective ranks as work items: each forms `chunk` resamples' Gram matrices (centred on
+        the resample's weighted mean row with `centred`) and returns their ranks (in resample order;
+        `effective_ranks` runs them)."""
         b, d = len(self.counts), self.grams.shape[1]
         flat = self.grams.reshape(len(self.grams), d * d)
 
         def ranks(lo: int) -> np.ndarray:
             hi = min(b, lo + chunk)
-            grams = ((self.counts[lo:hi].astype(np.float32) @ flat).reshape(-1, d, d) if self.per_sequence
-                     else self.grams[lo:hi])
+            if self.per_sequence:
+                weights = self.counts[lo:hi]
+                grams = (weights.astype(np.float32) @ flat).reshape(-1, d, d)
+                sums, rows = weights @ self.sums, weights @ self.rows
+            else:
+                grams, sums, rows = self.grams[lo:hi], self.sums[lo:hi], self.rows[lo:hi]
+            if centred:
+                means = np.divide(sums, rows[:, None], out=np.zeros_like(sums), where=rows[:, None] > 0)
+                grams = grams - (sums[:, :, None] * means[:, None, :]).astype(np.float32)
             return gram_effective_ranks(grams)
 
         return [partial(ranks, lo) for lo in range(0, b, chunk)]
 
-    def effective_ranks(self, chunk: int = 4) -> np.ndarray:
-        """The effective rank (as `geometry.spectrum`) of the rows on every resample [b], a chunk of
-        resamples per core at a time (`per_core_map`)."""
-        return effective_ranks_of([self], chunk)[0]
+    def effective_ranks(self, chunk: int = 4, centred: bool = False) -> np.ndarray:
+        """The effective rank (as `geometry.spectrum`, of the centred rows with `centred`) on every
+        resample [b], a chunk of resamples per core at a time (`per_core_map`)."""
+        return effective_ranks_of([self], chunk, centred=centred)[0]
 
 
 def effective_ranks_of(resampled: Sequence[ResampledGrams], chunk: int = 4,
-                       workers: int | None = None) -> list[np.ndarray]:
+                       workers: int | None = None, centred: bool = False) -> list[np.ndarray]:
     """`effective_ranks` of several statistics, their chunks spread over the cores together (`workers`
     threads; default: one per core, see `per_core_map`)."""
-    tasks = [r.rank_chunks(chunk) for r in resampled]
+    tasks = [r.rank_chunks(chunk, centred) for r in resampled]
     done = iter(per_core_map(lambda task: task(), [t for ts in tasks for t in ts], workers))
     return [np.concatenate([next(done) for _ in ts]) if ts else np.zeros(0) for ts in tasks]
 

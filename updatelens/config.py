@@ -124,6 +124,11 @@ class AnalysisConfig:
     # the control and the later effects (bench/records/calibration_cost-later_positions2-smollm2-135m.json)
     later_positions: int = setting(1, minimum=0, help="positions per sequence whose effect on later positions is "
                                                       "measured (0: none)")
+    # the effect on the later positions is the mean KL per later position over a fixed horizon, so it does not
+    # grow with how early the token sits (a sum over every later position did); only positions with a whole
+    # horizon after them are drawn
+    later_horizon: int = setting(16, minimum=1, help="later positions over which each measured position's effect "
+                                                     "is averaged (positions with fewer after them are not drawn)")
     # context costs one more patched pass per layer (the default job measured 727 s with it against 561 s
     # for the job before the exact split and the fitted null, the same day): asked for, not by default
     controls: tuple[str, ...] = setting(("random", "crude"), choices=CONTROLS, what="control",

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 # What a measure may read: these per-layer statistics (one row per layer of a class), the effective
 # ranks of the singular spectra of Δ_full, Δ_tok and r (rank_full, rank_tok, rank_res) and of the
-# null's Δ_full and r (rank_full_null, rank_res_null), `layer`, `n_layers` (the model's depth, whatever
-# was analysed) and `perm_layer` (the analysed layers' depths shifted round, one shift per resample: Finding.shift_null).
+# null's Δ_full and r (rank_full_null, rank_res_null), each also centred (`RANK_DEFS`), `layer`,
+# `n_layers` (the model's depth, whatever was analysed) and `perm_layer` (the analysed layers' depths
+# shifted round, one shift per resample: Finding.shift_null).
 # The `_null` statistics are the same measures on the random-direction residual of the same length.
 STATISTICS: tuple[str, ...] = ("rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median",
                                "frac_res_angle_gt60", "frac_res_tok_angle_gt60", "proj_res_m16",
@@ -70,6 +71,17 @@ def aggregate_sql(column: str, how: str) -> str:
         return f"avg({column})"
     raise ValueError(f"unknown aggregate {how!r} for {column!r}: median, share_gt60 or mean")
 TOKEN_STATISTICS: tuple[str, ...] = tuple(dict.fromkeys(column for _, column, _ in GEOMETRY_STATISTIC_DEFS))
+
+
+# The effective ranks the findings read, one per (spectrum, centring): (statistic, the spectra's `which`,
+# centred). Uncentred, as the paper's SVD of the stacked updates: the layer's mean update fills the first
+# singular value. Centred: the same rows less their mean (on each replicate, its weighted mean), so the
+# rank counts the directions the updates vary in. Point estimates from `spectra` (`effective_rank`,
+# `effective_rank_centred`), intervals from the jackknife replicates of `geometry_bootstrap`.
+RANK_DEFS: tuple[tuple[str, str, bool], ...] = tuple(
+    (f"rank_{which}{'_centred' if centred else ''}", which, centred)
+    for centred in (False, True) for which in ("full", "tok", "res", "full_null", "res_null"))
+RANK_STATISTICS: tuple[str, ...] = tuple(name for name, _, _ in RANK_DEFS)
 
 
 # The exact split's per-layer statistics (updatelens.steps.context_split), declared as the geometry's are:
@@ -189,6 +201,13 @@ FINDINGS: tuple[Finding, ...] = (
             f"the same ratio with r replaced by ‖r‖u, a residual of the same energy per token in the shape of "
             f"the layer's updates ({RANDOM_DIRECTION})",
             interval="jackknife"),
+    Finding("3 centred", "full and tokenwise updates are low-dimensional, the residual is not",
+            "as finding 3, on the centred spectra (each of Δ_full, Δ_tok and r less its mean over the tokens): the "
+            "layer's mean update, which fills the first singular value of an uncentred spectrum, left out",
+            "greatest(avg(rank_full_centred), avg(rank_tok_centred)) / avg(rank_res_centred)", "<=", 0.5,
+            "as finding 3",
+            "greatest(avg(rank_full_null_centred), avg(rank_tok_centred)) / avg(rank_res_null_centred)",
+            "as finding 3's null, on the centred spectra", interval="jackknife"),
     Finding("4", "approximation error predicts output perturbation",
             "median over layers of Spearman(relative error, KL at the patched position)", "median(spearman_relerr_kl)", ">=", 0.7,
             "the paper: 'Spearman often above 0.7'",

@@ -367,11 +367,13 @@ def single_position_kl(lm: LoadedModel, input_ids: np.ndarray, layer: int, varia
 
 def later_position_kl(lm: LoadedModel, input_ids: np.ndarray, layer: int, patched: np.ndarray,
                       y_state: np.ndarray, positions: np.ndarray, orig: OriginalOutput,
-                      batch: int, returns_tuple: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                      batch: int, returns_tuple: bool = False, horizon: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """For each (sequence s, position p) of `positions` [P, 2], block l's output with only position p
-    replaced by `patched[s, p]`: (KL at p [P], the sum of the KL over the positions after p [P]). The
-    first is the single-position effect (as `single_position_kl`); the second is what removing r at p
-    does to the rest of the sequence through attention, which the per-position KL does not see."""
+    replaced by `patched[s, p]`: (KL at p [P], the mean KL per position over the `horizon` positions after
+    p [P]; None: over every position after p). The first is the single-position effect (as
+    `single_position_kl`); the second is what removing r at p does to the rest of the sequence through
+    attention, which the per-position KL does not see, per later position (a sum would grow with how
+    early p sits)."""
     at, later = np.full(len(positions), np.nan), np.full(len(positions), np.nan)
     with torch.inference_mode():
         for start in range(0, len(positions), batch):
@@ -385,7 +387,8 @@ def later_position_kl(lm: LoadedModel, input_ids: np.ndarray, layer: int, patche
             for i, (s, p) in enumerate(chunk):  # the head at p and after only (the positions before p do not move)
                 kl = orig.kl_from(int(s), result[i], int(p)).cpu().numpy()
                 at[start + i] = kl[0]
-                later[start + i] = float(np.maximum(kl[1:], 0.0).sum())
+                after = np.maximum(kl[1:] if horizon is None else kl[1 : 1 + horizon], 0.0)
+                later[start + i] = float(after.mean()) if len(after) else float("nan")
     return at, later
 
 

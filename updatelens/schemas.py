@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from updatelens.config import AnalysisConfig
-from updatelens.findings import GEOMETRY_STATISTIC_DEFS, SPLIT_STATISTICS
+from updatelens.findings import GEOMETRY_STATISTIC_DEFS, RANK_DEFS, SPLIT_STATISTICS
 
 VECTOR = "vector"  # FixedSizeList<float32>[d_model]
 NEIGHBOURS = "neighbours"  # FixedSizeList<int32>[k]
@@ -84,11 +84,11 @@ def _bootstrap_geometry() -> list[Column]:
     for name, column, agg in GEOMETRY_STATISTIC_DEFS:
         extra = " > 60°" if agg == "share_gt60" else ""
         out.append(_c(name, F64, f"{how[agg]} {column}{extra} on the resample"))
-    ranks = {"rank_full": "Δ_full", "rank_tok": "Δ_tok", "rank_res": "the residual",
-             "rank_full_null": "Δ_full with the random-direction residual", "rank_res_null": "the random-direction residual"}
-    out += [_c(name, F64, f"effective rank of {what} on the jackknife replicate (replicate <= -2; null on the "
-                          f"bootstrap resamples)")
-            for name, what in ranks.items()]
+    what = {"full": "Δ_full", "tok": "Δ_tok", "res": "the residual",
+            "full_null": "Δ_full with the random-direction residual", "res_null": "the random-direction residual"}
+    out += [_c(name, F64, f"effective rank of {what[which]}{' less its mean (centred)' if centred else ''} on the "
+                          f"jackknife replicate (replicate <= -2; null on the bootstrap resamples)")
+            for name, which, centred in RANK_DEFS]
     return out
 
 
@@ -151,6 +151,8 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                 _c("idx", I32, "singular value index, by decreasing size"), _c("sigma", F64, "singular value"),
                 _c("cum_energy", F64, "share of the energy in the first idx+1 values"),
                 _c("effective_rank", F64, "exp of the entropy of the normalised energies"),
+                _c("effective_rank_centred", F64, "effective_rank of the same rows less their mean (the centred "
+                                                  "spectrum's; its singular values are not stored)"),
                 _c("m_energy", I32, "values holding 90 % of the energy")]
     elif table == "geometry_bootstrap":
         body = [FN_CLASS, REPLICATE, *_bootstrap_geometry()]
@@ -165,9 +167,13 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                                          "own position, in nats (>= 0); exact and single: only that position patched "
                                          "(its own effect, not that on later positions)"),
                 _c("rel_err", F64, "the patched state's relative error"), _c("norm_res", F64, "the patched state's ||r||"),
-                _c("kl_later", F64, "the KL summed over the positions after this one when only this position has "
-                                    "r removed (its effect on the rest of the sequence), on `later_positions` "
-                                    "tokens per sequence of the main patch of the primary class; NaN elsewhere")]
+                _c("kl_later", F64, "the mean KL per later position over the `later_horizon` positions after this "
+                                    "one when only this position has r removed (its effect on the rest of the "
+                                    "sequence), on `later_positions` tokens per sequence of the main patch of the "
+                                    "primary class; NaN elsewhere"),
+                _c("kl_later_random", F64, "kl_later with this position moved as far as removing r moves it, in a "
+                                           "random direction of the residuals' shape (the random control) instead; "
+                                           "NaN where kl_later is, or without the random control")]
     elif table == "functional_summary":
         body = [FN_CLASS, _c("variant", STR, "the patch (see functional_metrics)"),
                 _c("patch_mode", STR, "exact, single or all"), _c("n_tokens", I32, "tokens patched"),
@@ -181,17 +187,22 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                                            "same norm) at the same position (the patch of the random control's "
                                            "class; NaN for other rows)"),
                 _c("n_later", I32, "tokens whose effect on the later positions was measured"),
-                _c("kl_later_mean", F64, "mean over them of the KL summed over the later positions"),
                 _c("kl_at_mean_on_later", F64, "mean over the same tokens of the KL at the patched position"),
                 _c("spearman_kl_later", F64, "Spearman correlation over them of the KL at the patched position "
-                                             "and the summed KL after it")]
+                                             "and kl_later"),
+                _c("kl_later_mean", F64, "mean over them of kl_later (the mean KL per later position over the horizon)"),
+                _c("kl_later_random_mean", F64, "mean over them of kl_later_random (the random control's move)"),
+                _c("later_ratio_median", F64, "median over them of the paired ratio kl_later / kl_later_random")]
     elif table == "functional_bootstrap":
         body = [FN_CLASS, REPLICATE,
                 _c("spearman_relerr_kl", F64, "Spearman(rel_err, KL) on the resample"),
                 _c("spearman_normres_kl", F64, "Spearman(||r||, KL) on the resample"),
                 _c("spearman_relerr_kl_null", F64, "Spearman(rel_err, KL of the same-size random patch) on the resample"),
                 _c("spearman_normres_kl_null", F64, "Spearman(||r||, KL of the same-size random patch) on the resample"),
-                _c("kl_ratio_random", F64, "median paired ratio KL(remove r) / KL(random, same norm) on the resample")]
+                _c("kl_ratio_random", F64, "median paired ratio KL(remove r) / KL(random, same norm) on the resample"),
+                _c("kl_later_mean", F64, "kl_later_mean of the functional summary on the resample"),
+                _c("kl_later_random_mean", F64, "kl_later_random_mean on the resample"),
+                _c("later_ratio_median", F64, "later_ratio_median on the resample")]
     elif table == "context_split":
         body = [SEQ, POS, _c("norm_full", F64, "||Δ_full|| = ||y - x||"),
                 _c("norm_ctl", F64, "||Δ_ctl|| = ||y_ctl - x||: the update of the self-and-first block (the token's own)"),

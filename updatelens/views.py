@@ -17,6 +17,8 @@ from updatelens.findings import (
     GEOMETRY_STATISTIC_DEFS,
     GEOMETRY_STATISTICS,
     JACKKNIFE_FIRST,
+    RANK_DEFS,
+    RANK_STATISTICS,
     SPLIT_STATISTICS,
     STATISTICS,
     Finding,
@@ -75,7 +77,9 @@ SELECT model, layer, fn_class, config_id,
        max(CASE WHEN variant = 'patch' THEN kl_ratio_random END) AS kl_ratio_random,
        max(CASE WHEN variant = 'patch' AND n_later > 0 THEN kl_later_mean END) AS kl_later_mean,
        max(CASE WHEN variant = 'patch' AND n_later > 0 THEN kl_at_mean_on_later END) AS kl_at_mean_on_later,
-       max(CASE WHEN variant = 'patch' AND n_later > 0 THEN spearman_kl_later END) AS spearman_kl_later
+       max(CASE WHEN variant = 'patch' AND n_later > 0 THEN spearman_kl_later END) AS spearman_kl_later,
+       max(CASE WHEN variant = 'patch' AND n_later > 0 THEN kl_later_random_mean END) AS kl_later_random_mean,
+       max(CASE WHEN variant = 'patch' AND n_later > 0 THEN later_ratio_median END) AS later_ratio_median
 FROM {functional_summary}
 GROUP BY model, layer, fn_class, config_id
 """
@@ -84,7 +88,7 @@ FUNCTIONAL_COLUMNS = ("kl_mean", "kl_median", "spearman_relerr_kl", "spearman_no
                       "kl_mean_random_control", "kl_mean_crude_control", "kl_mean_context", "spearman_ctx_kl",
                       "spearman_relerr_kl_null",
                       "spearman_normres_kl_null", "kl_ratio_random", "kl_later_mean", "kl_at_mean_on_later",
-                      "spearman_kl_later")
+                      "spearman_kl_later", "kl_later_random_mean", "later_ratio_median")
 
 # Findings measured under another convention of docs/method.md than the main one:
 # (finding id, the finding it re-measures, the convention, its setting here, the main setting).
@@ -93,6 +97,7 @@ ALTERNATIVE_MEASURES = (
     ("2 angle vs tok", "2 angle", "angle reference", "against Δ_tok", "against Δ_full"),
     ("4 norm", "4", "error measure", "‖r‖", "relative error"),
     ("6 inner", "6", "edge layers", "without the two first and two last", "every layer"),
+    ("3 centred", "3", "spectra", "centred (less the mean update)", "uncentred"),
 )
 
 # The paper's findings, declared in `updatelens.findings` (claim, measure, threshold and its source),
@@ -107,14 +112,9 @@ ALTERNATIVE_MEASURES = (
 # `findings` keeps the class with the lowest median relative error.
 POINT_STATS_SQL = """
 SELECT ls.model, ls.config_id, ls.fn_class, ls.layer, -1 AS replicate, ls.model_layers,
-       {columns}, r.rank_full, r.rank_tok, r.rank_res, r.rank_full_null, r.rank_res_null
+       {columns}, {rank_columns}
 FROM {layer_summary} ls LEFT JOIN (
-    SELECT model, layer, config_id, fn_class,
-           any_value(CASE WHEN which = 'full' THEN effective_rank END) AS rank_full,
-           any_value(CASE WHEN which = 'tok' THEN effective_rank END) AS rank_tok,
-           any_value(CASE WHEN which = 'res' THEN effective_rank END) AS rank_res,
-           any_value(CASE WHEN which = 'full_null' THEN effective_rank END) AS rank_full_null,
-           any_value(CASE WHEN which = 'res_null' THEN effective_rank END) AS rank_res_null
+    SELECT model, layer, config_id, fn_class, {ranks}
     FROM {spectra} GROUP BY model, layer, config_id, fn_class
 ) r USING (model, layer, config_id, fn_class)
 """
@@ -124,7 +124,8 @@ CREATE OR REPLACE VIEW {name} AS
 SELECT g.model, g.config_id, g.fn_class, g.layer, g.replicate, g.model_layers,
        {geometry_columns}, f.spearman_relerr_kl, f.spearman_normres_kl,
        f.spearman_relerr_kl_null, f.spearman_normres_kl_null, f.kl_ratio_random,
-       g.rank_full, g.rank_tok, g.rank_res, g.rank_full_null, g.rank_res_null
+       f.kl_later_mean, f.kl_later_random_mean, f.later_ratio_median,
+       {rank_columns}
 FROM {geometry_bootstrap} g LEFT JOIN {functional_bootstrap} f USING (model, layer, config_id, fn_class, replicate)
 """
 
@@ -142,7 +143,8 @@ ORDER BY model, config_id, layer, fn_class
 
 BAND_STATISTICS: tuple[str, ...] = (*GEOMETRY_STATISTICS, "spearman_relerr_kl", "spearman_normres_kl",
                                     "spearman_relerr_kl_null", "spearman_normres_kl_null", "kl_ratio_random",
-                                    "rank_full", "rank_tok", "rank_res", "rank_full_null", "rank_res_null")
+                                    "kl_later_mean", "kl_later_random_mean", "later_ratio_median",
+                                    *RANK_STATISTICS)
 
 # A table, not a view: every finding on every resample is computed once, when the catalog is refreshed
 # from the verified files, instead of in every query that reads
@@ -650,13 +652,17 @@ def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str 
     """The findings views of one family; with its bootstrap tables, the `layer_replicates` view too.
     `controls`: the relation of the family's positive controls' finding replicates (none: empty)."""
     columns = ", ".join(f"ls.{c}" for c in STATISTICS)
-    stats = POINT_STATS_SQL.format(columns=columns, layer_summary=f"{prefix}layer_summary", spectra=f"{prefix}spectra")
+    ranks = ", ".join(f"any_value(CASE WHEN which = '{which}' THEN effective_rank{'_centred' if centred else ''} END) "
+                      f"AS {name}" for name, which, centred in RANK_DEFS)
+    stats = POINT_STATS_SQL.format(columns=columns, layer_summary=f"{prefix}layer_summary", spectra=f"{prefix}spectra",
+                                   rank_columns=", ".join(f"r.{c}" for c in RANK_STATISTICS), ranks=ranks)
     statements = []
     if with_replicates:
         statements.append(LAYER_REPLICATES_SQL.format(name=f"{prefix}layer_replicates",
                                                       geometry_columns=", ".join(f"g.{c}" for c in GEOMETRY_STATISTICS),
                                                       geometry_bootstrap=f"{prefix}geometry_bootstrap",
-                                                      functional_bootstrap=f"{prefix}functional_bootstrap"))
+                                                      functional_bootstrap=f"{prefix}functional_bootstrap",
+                                                      rank_columns=", ".join(f"g.{c}" for c in RANK_STATISTICS)))
         bands = ", ".join(
             f"avg({c}) FILTER (WHERE replicate <= {JACKKNIFE_FIRST}) - {jackknife_half_width(c)} AS {c}_lo, "
             f"avg({c}) FILTER (WHERE replicate <= {JACKKNIFE_FIRST}) + {jackknife_half_width(c)} AS {c}_hi"

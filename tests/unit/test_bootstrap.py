@@ -89,16 +89,19 @@ def test_resampled_grams_give_the_effective_rank_of_each_resample_in_either_form
 
     rng = np.random.default_rng(1)
     seq = np.repeat(np.arange(6), 15)
-    v = rng.standard_normal((len(seq), 5)) * np.array([5.0, 2.0, 1.0, 0.5, 0.1])
+    # a shared mean update (the rows' mean fills the first singular value unless centred)
+    v = rng.standard_normal((len(seq), 5)) * np.array([5.0, 2.0, 1.0, 0.5, 0.1]) + np.array([0.0, 0.0, 0.0, 0.0, 8.0])
     counts = replicate_counts(6, n_resamples, seed=2)
     grams = ResampledGrams(counts, 5)
     assert grams.per_sequence == (n_resamples > 6) and len(grams.grams) == min(6, n_resamples)
     for block in (slice(0, 45), slice(45, 90)):  # two blocks of whole sequences
         grams.add(v[block], seq[block])
-    ranks = grams.effective_ranks(chunk=2)
+    ranks, centred = grams.effective_ranks(chunk=2), grams.effective_ranks(chunk=2, centred=True)
     for i, row in enumerate(counts):
         idx = expanded(seq, row)
         np.testing.assert_allclose(ranks[i], spectrum(v[idx]).effective_rank, rtol=1e-5)
+        np.testing.assert_allclose(centred[i], spectrum(v[idx] - v[idx].mean(axis=0)).effective_rank, rtol=1e-4)
+        assert abs(centred[i] - ranks[i]) > 0.3  # the mean matters here
 
 
 def test_the_ranks_of_several_statistics_solved_together_are_each_ones_own(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,6 +51,8 @@ def fixture(root: Path, config_id: str = "c1", seed: int = 0, n_seq: int = 4) ->
         values[f"rho_null/{fn_class}"] = rng.uniform(-0.2, 0.9, LAYERS)
         values[f"rho_norm_null/{fn_class}"] = rng.uniform(-0.2, 0.9, LAYERS)
         values[f"ratio/{fn_class}"] = rng.uniform(0.5, 3.0, LAYERS)
+        for which in ("tok", "full", "res", "full_null", "res_null"):  # the centred spectra's: drawn apart
+            values[f"rank_{which}_centred/{fn_class}"] = extra.uniform(5, 50, LAYERS) * (3 if "res" in which else 1)
     for layer in range(LAYERS):
         geo, fs, spec = [], [], []
         for fn_class in CLASSES:
@@ -74,12 +76,14 @@ def fixture(root: Path, config_id: str = "c1", seed: int = 0, n_seq: int = 4) ->
                 "kl_ratio_random": [values[f"ratio/{fn_class}"][layer], None],
                 "n_later": pa.array([2, 0], pa.int32()), "kl_later_mean": [0.3, None],
                 "kl_at_mean_on_later": [0.1, None], "spearman_kl_later": [0.5, None],
+                "kl_later_random_mean": [0.2, None], "later_ratio_median": [1.5, None],
                 **{k: [v] * 2 for k, v in prov.items()}}))
             whiches = [w for w in ("tok", "full", "res", "full_null", "res_null") for _ in range(2)]
             spec.append(pa.table({
                 "model": ["m"] * 10, "layer": pa.array([layer] * 10, pa.int32()), "fn_class": [fn_class] * 10,
                 "which": whiches, "idx": pa.array([0, 1] * 5, pa.int32()),
                 "effective_rank": [values[f"rank_{w}/{fn_class}"][layer] for w in whiches],
+                "effective_rank_centred": [values[f"rank_{w}_centred/{fn_class}"][layer] for w in whiches],
                 **{k: [v] * 10 for k, v in prov.items()}}))
         write_partition(root, "geometry", "m", layer, pa.concat_tables(geo))
         write_partition(root, "functional_summary", "m", layer, pa.concat_tables(fs))
@@ -101,6 +105,8 @@ def hand_nulls(v: dict[str, np.ndarray], fn_class: str) -> dict[str, float]:
         "2 projection": np.mean(v[f"proj_null_m16/{fn_class}"]),
         "3": max(v[f"rank_full_null/{fn_class}"].mean(), v[f"rank_tok/{fn_class}"].mean())
         / v[f"rank_res_null/{fn_class}"].mean(),
+        "3 centred": max(v[f"rank_full_null_centred/{fn_class}"].mean(), v[f"rank_tok_centred/{fn_class}"].mean())
+        / v[f"rank_res_null_centred/{fn_class}"].mean(),
         "4": np.median(v[f"rho_null/{fn_class}"]),
         "4 norm": np.median(v[f"rho_norm_null/{fn_class}"]),
         "4 direction": 1.0,
@@ -118,6 +124,8 @@ def hand_findings(v: dict[str, np.ndarray], fn_class: str) -> dict[str, float]:
         "2 angle vs tok": np.mean((v[f"angle_tok/{fn_class}"] > 60).mean(axis=1)),
         "2 projection": np.mean(v[f"proj_res/{fn_class}"]),
         "3": max(v[f"rank_full/{fn_class}"].mean(), v[f"rank_tok/{fn_class}"].mean()) / v[f"rank_res/{fn_class}"].mean(),
+        "3 centred": max(v[f"rank_full_centred/{fn_class}"].mean(), v[f"rank_tok_centred/{fn_class}"].mean())
+        / v[f"rank_res_centred/{fn_class}"].mean(),
         "4": np.median(v[f"rho/{fn_class}"]),
         "4 norm": np.median(v[f"rho_norm/{fn_class}"]),
         "4 direction": np.median(v[f"ratio/{fn_class}"]),
@@ -247,6 +255,8 @@ def replicate_fixture(root: Path, n_rep: int = 40, seed: int = 5, config_id: str
             reps[f"{name}/{fn_class}"] = rng.uniform(low, high, (n_rep, LAYERS))
         for name, low, high in RANK_RANGES:  # the effective ranks: on the jackknife replicates only
             reps[f"{name}/{fn_class}"] = rng.uniform(low, high, (N_JACK, LAYERS))
+        for name, low, high in RANK_RANGES:  # the centred spectra's: drawn apart, the others' draws unchanged
+            reps[f"{name}_centred/{fn_class}"] = extra.uniform(low, high, (N_JACK, LAYERS))
         for name in GEOMETRY_STATISTICS:  # statistics no finding reads: drawn apart, the others' draws unchanged
             reps.setdefault(f"{name}/{fn_class}", extra.uniform(0.0, 1.0, (n_rep, LAYERS)))
     n = n_rep + N_JACK
@@ -264,10 +274,12 @@ def replicate_fixture(root: Path, n_rep: int = 40, seed: int = 5, config_id: str
                                     for name in GEOMETRY_STATISTICS},
                                  **{name: pa.array(np.concatenate([np.full(n_rep, np.nan),
                                                                    reps[f"{name}/{fn_class}"][:, layer]]), from_pandas=True)
-                                    for name, _, _ in RANK_RANGES}}))
+                                    for name in findings.RANK_STATISTICS}}))
             fun.append(pa.table({**ids, **{name: reps[f"{name}/{fn_class}"][:, layer] for name in
                                            ("spearman_relerr_kl", "spearman_normres_kl", "spearman_relerr_kl_null",
-                                            "spearman_normres_kl_null", "kl_ratio_random")}}))
+                                            "spearman_normres_kl_null", "kl_ratio_random")},
+                                 **{name: extra.uniform(0.0, 1.0, n_rep) for name in
+                                    ("kl_later_mean", "kl_later_random_mean", "later_ratio_median")}}))
         write_partition(root, "geometry_bootstrap", "m", layer, pa.concat_tables(geo))
         write_partition(root, "functional_bootstrap", "m", layer, pa.concat_tables(fun))
     return reps
@@ -300,23 +312,26 @@ def test_intervals_are_quantiles_of_the_findings_on_each_resample(tmp_path: Path
             assert row["diff_ci_hi"] == pytest.approx(np.quantile(diff, 0.975), rel=1e-9, abs=1e-12)
         # finding 3: the point +- t(0.975, G - 1) times the jackknife's standard error, for the value, the
         # null and their difference, each interval centred on its point
-        jack = {name: reps[f"{name}/{fn_class}"].mean(axis=1) for name, _, _ in RANK_RANGES}
-        value_j = np.maximum(jack["rank_full"], jack["rank_tok"]) / jack["rank_res"]
-        null_j = np.maximum(jack["rank_full_null"], jack["rank_tok"]) / jack["rank_res_null"]
         t = scipy.stats.t.ppf(0.975, N_JACK - 1)
 
         def half(values: np.ndarray, t: float = t) -> float:
             return float(t * np.sqrt((N_JACK - 1) / N_JACK * ((values - values.mean()) ** 2).sum()))
 
-        row = rows[(fn_class, "3")]
-        point, null = hand_findings(v, fn_class)["3"], hand_nulls(v, fn_class)["3"]
-        assert row["interval"] == "jackknife" and row["n_resamples"] == N_JACK
-        assert row["value"] == pytest.approx(point, rel=1e-9) and row["null_value"] == pytest.approx(null, rel=1e-9)
-        for lo, hi, centre, width in ((row["ci_lo"], row["ci_hi"], point, half(value_j)),
-                                      (row["null_ci_lo"], row["null_ci_hi"], null, half(null_j)),
-                                      (row["diff_ci_lo"], row["diff_ci_hi"], point - null, half(value_j - null_j))):
-            assert lo == pytest.approx(centre - width, rel=1e-6) and hi == pytest.approx(centre + width, rel=1e-6)
-            assert lo <= centre <= hi
+        for finding, suffix in (("3", ""), ("3 centred", "_centred")):  # on the uncentred and the centred spectra
+            jack = {name: reps[f"{name}{suffix}/{fn_class}"].mean(axis=1) for name, _, _ in RANK_RANGES}
+            value_j = np.maximum(jack["rank_full"], jack["rank_tok"]) / jack["rank_res"]
+            null_j = np.maximum(jack["rank_full_null"], jack["rank_tok"]) / jack["rank_res_null"]
+            row = rows[(fn_class, finding)]
+            point, null = hand_findings(v, fn_class)[finding], hand_nulls(v, fn_class)[finding]
+            assert row["interval"] == "jackknife" and row["n_resamples"] == N_JACK
+            assert row["value"] == pytest.approx(point, rel=1e-9) and row["null_value"] == pytest.approx(null, rel=1e-9)
+            for lo, hi, centre, width in ((row["ci_lo"], row["ci_hi"], point, half(value_j)),
+                                          (row["null_ci_lo"], row["null_ci_hi"], null, half(null_j)),
+                                          (row["diff_ci_lo"], row["diff_ci_hi"], point - null, half(value_j - null_j))):
+                # t(0.975, G - 1) is tabled to 6 decimals: the bounds agree to 1e-6 of the width
+                tol = 1e-6 * width
+                assert lo == pytest.approx(centre - width, abs=tol) and hi == pytest.approx(centre + width, abs=tol)
+                assert lo <= centre <= hi
         for finding, values in per_rep.items():
             row = rows[(fn_class, finding)]
             lo, hi = np.quantile(values, [0.025, 0.975])

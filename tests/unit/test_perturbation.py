@@ -132,8 +132,9 @@ def test_single_position_kl_equals_the_hooked_reference(tiny_models: dict, fast_
 
 @pytest.mark.parametrize("fast_head", [True, False])
 def test_later_position_effects_equal_the_hooked_reference(tiny_models: dict, fast_head: bool) -> None:
-    """One position's r removed: the KL at it is its single-position effect, and the KL summed over the
-    positions after it is what a hooked full forward with only that position patched gives there."""
+    """One position's r removed: the KL at it is its single-position effect, and the mean KL per position
+    over the positions after it (every one, or a horizon of them) is what a hooked full forward with only
+    that position patched gives there."""
     lm = tiny_models["tiny-llama"]
     ids, cap = setup(lm)
     layer, y = 1, cap.states[2]
@@ -141,6 +142,7 @@ def test_later_position_effects_equal_the_hooked_reference(tiny_models: dict, fa
     patched = y + 0.5 * np.random.default_rng(2).standard_normal(y.shape)
     positions = np.array([[0, 3], [0, 7], [2, 1], [1, 8]])  # two in one sequence, in one batch
     at, later = later_position_kl(lm, ids, layer, patched, y, positions, orig, batch=3)
+    _, near = later_position_kl(lm, ids, layer, patched, y, positions, orig, batch=3, horizon=2)
     single = single_position_kl(lm, ids, layer, [Variant("patch", "x", patched)], y, positions, orig, batch=2)[0]
     base = plain_logp(lm, ids)
     for i, (s, p) in enumerate(positions):
@@ -148,7 +150,8 @@ def test_later_position_effects_equal_the_hooked_reference(tiny_models: dict, fa
         state[s, p] = patched[s, p]
         ref = kl_rows(base[s], reference_logp(lm, ids, layer, state)[s]).clamp_min(0).numpy()
         assert at[i] == pytest.approx(single[s, p], rel=1e-4, abs=1e-6)
-        assert later[i] == pytest.approx(float(ref[p + 1 :].sum()), rel=1e-4, abs=1e-6)
+        assert later[i] == pytest.approx(float(ref[p + 1 :].mean()), rel=1e-4, abs=1e-6)
+        assert near[i] == pytest.approx(float(ref[p + 1 : p + 3].mean()), rel=1e-4, abs=1e-6)
         assert ref[:p].max() < 1e-5  # causal: the positions before it do not move
     assert later.min() > 0
 
@@ -161,6 +164,10 @@ def test_later_positions_are_drawn_per_sequence_whatever_the_block() -> None:
                              for lo in (0, 2, 4)])
     np.testing.assert_array_equal(whole, blocks)
     assert len(whole) == 12 and whole[:, 1].min() >= 1 and whole[:, 1].max() <= 8  # a later position exists
+    # a horizon of 4: only positions with 4 after them (1 .. 5 of 10) are drawn; 3 of them asked, 3 given
+    within = later_positions(measured, 3, seed=0, horizon=4)
+    assert len(within) == 18 and within[:, 1].max() <= 5
+    assert len(later_positions(measured, 1, seed=0, horizon=10)) == 0  # no position has 10 after it
 
 
 @pytest.mark.parametrize("slug", SLUGS)
@@ -200,7 +207,8 @@ def fake_fits(cap, layer, kept, shift: float) -> dict[str, LayerFit]:
 def test_functional_tables_cover_kept_tokens_and_controls(tiny_models: dict) -> None:
     lm = tiny_models["tiny-gpt2"]
     ids, cap = setup(lm, n=4, t=10)
-    cfg = AnalysisConfig(n_seq=4, seq_len=10, k=5, controls=("random", "crude", "identity"), patch_mode="all")
+    cfg = AnalysisConfig(n_seq=4, seq_len=10, k=5, controls=("random", "crude", "identity"), patch_mode="all",
+                         later_horizon=3)
     kept = kept_mask(np.ones_like(ids), True)
     layer = 1
     data = LayerData(layer, ids, kept, cap.states[layer], cap.states[layer + 1])
@@ -241,12 +249,24 @@ def test_functional_tables_cover_kept_tokens_and_controls(tiny_models: dict) -> 
     assert np.isfinite(later).sum() == 4 and (later[np.isfinite(later)] >= 0).all()
     assert by[("patch", "lowrank")]["kl_later_mean"] == pytest.approx(float(np.nanmean(later)))
     assert -1 <= by[("patch", "lowrank")]["spearman_kl_later"] <= 1
+    # ... with the random control's move at the same tokens, and the median paired ratio of the two
+    later_random = rows["patch"]["kl_later_random"].to_numpy(zero_copy_only=False)
+    np.testing.assert_array_equal(np.isfinite(later_random), np.isfinite(later))
+    on = np.isfinite(later)
+    assert by[("patch", "lowrank")]["kl_later_random_mean"] == pytest.approx(float(later_random[on].mean()))
+    assert by[("patch", "lowrank")]["later_ratio_median"] == pytest.approx(float(np.median(later[on] / later_random[on])))
+    assert by[("patch", "diagonal")]["later_ratio_median"] is None
     unit = functional_bootstrap_table(fm, cfg.replace(bootstrap=3), prov, layer, np.arange(4))
     counts = np.asarray(sequence_counts(np.arange(4), 3, cfg.seed))
     boot = unit.filter(pc.equal(unit["fn_class"], "lowrank"))["kl_ratio_random"].to_numpy()
     seq = rows["patch"]["seq"].to_numpy()
+    own = unit.filter(pc.equal(unit["fn_class"], "lowrank"))
     for b in range(3):  # each resample is the median of the expanded sample
         assert boot[b] == pytest.approx(float(np.median(np.repeat(ratio, counts[b][seq].astype(int)))), rel=1e-12)
+        times = counts[b][seq[on]].astype(int)
+        assert own["kl_later_mean"][b].as_py() == pytest.approx(float(np.repeat(later[on], times).mean()), rel=1e-12)
+        assert own["later_ratio_median"][b].as_py() == pytest.approx(
+            float(np.median(np.repeat(later[on] / later_random[on], times))), rel=1e-12)
 
 
 def test_single_position_mode_measures_only_the_patched_positions(tiny_models: dict) -> None:

@@ -100,22 +100,25 @@ def single_positions(kept: np.ndarray, per_seq: int, seed: int) -> np.ndarray:
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
-def later_positions(measured: np.ndarray, per_seq: int, seed: int, seq_offset: int = 0) -> np.ndarray:
+def later_positions(measured: np.ndarray, per_seq: int, seed: int, seq_offset: int = 0, horizon: int = 1) -> np.ndarray:
     """(sequence, position) pairs [P, 2] whose effect on the later positions is measured: `per_seq`
-    measured positions of each sequence that have a position after them, drawn from the seed and the
-    sequence's number in the sample (so a block of sequences draws what the whole sample would)."""
+    measured positions of each sequence that have `horizon` positions after them, drawn from the seed and
+    the sequence's number in the sample (so a block of sequences draws what the whole sample would)."""
     out: list[tuple[int, int]] = []
     for s in range(measured.shape[0]):
-        candidates = np.flatnonzero(measured[s, :-1])
+        candidates = np.flatnonzero(measured[s, : max(measured.shape[1] - horizon, 0)])
         rng = np.random.default_rng([seed, 7920, seq_offset + s])
         chosen = rng.choice(candidates, size=min(per_seq, len(candidates)), replace=False)
         out.extend((s, int(p)) for p in np.sort(chosen))
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
+LATER_STATISTICS = ("kl_later_mean", "kl_later_random_mean", "later_ratio_median")  # `later_statistics`
+
 # per variant: fn_class, variant, seq, pos, kl (clamped at 0), kl_raw (before the clamp), rel_err, norm_res,
-# kl_later (the summed KL after the position, on the `later_positions` subsample of the main patch of the
-# primary class; NaN elsewhere)
+# kl_later and kl_later_random (the mean KL per later position over `later_horizon` positions after the
+# position, with r removed there, and with the random control's move there instead; on the
+# `later_positions` subsample of the main patch of the primary class; NaN elsewhere)
 FunctionalRows = list[dict[str, np.ndarray | str]]
 
 
@@ -147,13 +150,18 @@ def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit],
     key_all = data.seq.astype(np.int64) * data.kept.shape[1] + data.pos
     key_measured = (seq_idx + data.seq_offset).astype(np.int64) * data.kept.shape[1] + pos_idx
     rows_in_kept = np.searchsorted(key_all, key_measured)
-    later = np.full(measured.shape, np.nan)
+    later, later_random = np.full(measured.shape, np.nan), np.full(measured.shape, np.nan)
     if cfg.later_positions:
         main = next(v for v in variants if v.name == "patch" and v.fn_class == cfg.primary_class)
-        chosen = later_positions(measured, cfg.later_positions, cfg.seed, data.seq_offset)
-        _, total = later_position_kl(lm, data.input_ids, data.layer, main.state, data.y_full, chosen, orig,
-                                     cfg.patch_batch, returns_tuple)
-        later[chosen[:, 0], chosen[:, 1]] = total
+        chosen = later_positions(measured, cfg.later_positions, cfg.seed, data.seq_offset, cfg.later_horizon)
+        _, per_position = later_position_kl(lm, data.input_ids, data.layer, main.state, data.y_full, chosen, orig,
+                                            cfg.patch_batch, returns_tuple, cfg.later_horizon)
+        later[chosen[:, 0], chosen[:, 1]] = per_position
+        random = next((v for v in variants if v.name == "random"), None)
+        if random is not None:  # the same positions moved as far in a random direction of the residuals' shape
+            _, per_position = later_position_kl(lm, data.input_ids, data.layer, random.state, data.y_full, chosen,
+                                                orig, cfg.patch_batch, returns_tuple, cfg.later_horizon)
+            later_random[chosen[:, 0], chosen[:, 1]] = per_position
     out: FunctionalRows = []
     for variant, kl_grid in zip(variants, kls):
         # the error that goes with the KL: the fit's residual; for the context control, a (y - y_ctl)
@@ -167,7 +175,8 @@ def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit],
         out.append({"fn_class": variant.fn_class, "variant": variant.name, "patch_mode": mode,
                     "seq": (seq_idx + data.seq_offset).astype(np.int32), "pos": pos_idx.astype(np.int32),
                     "kl": np.maximum(raw, 0.0), "kl_raw": raw, "rel_err": err["rel_err"], "norm_res": err["norm_res"],
-                    "kl_later": later[seq_idx, pos_idx] if main_patch else np.full(len(seq_idx), np.nan)})
+                    "kl_later": later[seq_idx, pos_idx] if main_patch else np.full(len(seq_idx), np.nan),
+                    "kl_later_random": later_random[seq_idx, pos_idx] if main_patch else np.full(len(seq_idx), np.nan)})
     return out
 
 
@@ -240,7 +249,8 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
         merged.setdefault((str(row["fn_class"]), str(row["variant"])), []).append(row)
     token_parts, summary_parts = [], []
     columns = {key: {k: np.concatenate([p[k] for p in parts])
-                     for k in ("seq", "pos", "kl", "kl_raw", "rel_err", "norm_res", "kl_later")} for key, parts in merged.items()}
+                     for k in ("seq", "pos", "kl", "kl_raw", "rel_err", "norm_res", "kl_later", "kl_later_random")}
+               for key, parts in merged.items()}
     for (fn_class, name), parts in merged.items():
         mode = str(parts[0].get("patch_mode", cfg.patch_mode))  # as measured ("auto" resolved per model)
         col = columns[(fn_class, name)]
@@ -257,6 +267,7 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
             "rel_err": pa.array(col["rel_err"]),
             "norm_res": pa.array(col["norm_res"]),
             "kl_later": pa.array(col["kl_later"], from_pandas=True),  # null where not measured
+            "kl_later_random": pa.array(col["kl_later_random"], from_pandas=True),
         }, prov, layer))
         s_rel = spearman(col["rel_err"], kl)
         s_abs = spearman(col["norm_res"], kl)
@@ -281,12 +292,29 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
             "kl_ratio_random": pa.array([float(median_ratio(ratio, np.ones((1, len(ratio))))[0])
                                          if ratio is not None else None], pa.float64()),
             "n_later": pa.array([int(on_later.sum())], pa.int32()),
-            "kl_later_mean": pa.array([float(np.mean(col["kl_later"][on_later])) if on_later.any() else None],
-                                      pa.float64()),
             "kl_at_mean_on_later": pa.array([float(np.mean(kl[on_later])) if on_later.any() else None], pa.float64()),
             "spearman_kl_later": pa.array([s_later.rho if np.isfinite(s_later.rho) else None], pa.float64()),
+            **{k: pa.array(v, pa.float64(), from_pandas=True)
+               for k, v in later_statistics(col["kl_later"], col["kl_later_random"], np.ones((1, n))).items()},
         }, prov, layer))
     return pa.concat_tables(token_parts), pa.concat_tables(summary_parts)
+
+
+def later_statistics(later: np.ndarray, later_random: np.ndarray, weights: np.ndarray) -> dict[str, np.ndarray]:
+    """The effect on the later positions per weighted sample [b] (weights [b, n] over the tokens; the
+    point estimate: one row of ones): `kl_later_mean`, the mean over the measured tokens of the mean KL
+    per later position; `kl_later_random_mean`, the same with the random control's move at the token;
+    `later_ratio_median`, the median over the tokens of the paired ratio of the two (NaN where none
+    was measured)."""
+    b = len(weights)
+
+    def mean(values: np.ndarray) -> np.ndarray:
+        ok = np.isfinite(values)
+        total = weights[:, ok].sum(axis=1)
+        return np.divide(weights[:, ok] @ values[ok], total, out=np.full(b, np.nan), where=total > 0)
+
+    return {"kl_later_mean": mean(later), "kl_later_random_mean": mean(later_random),
+            "later_ratio_median": median_ratio(paired_ratio(later, later_random), weights)}
 
 
 def _ratio_to_random(columns: dict[tuple[str, str], dict[str, np.ndarray]], fn_class: str) -> np.ndarray | None:
@@ -328,6 +356,12 @@ def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenan
         rho_rel, rho_norm = _replicate_spearman(own, counts)
         null_rel, null_norm = _replicate_spearman(own_random, counts)
         ratio = np.full(len(counts), np.nan)
+        later = {k: np.full(len(counts), np.nan) for k in LATER_STATISTICS}
+        if len(own) and "kl_later" in own.column_names:
+            kl_later, kl_later_random = (own[k].to_numpy(zero_copy_only=False) for k in ("kl_later", "kl_later_random"))
+            for start, w in row_weights(counts, own["seq"].to_numpy()):
+                for k, v in later_statistics(kl_later.astype(np.float64), kl_later_random.astype(np.float64), w).items():
+                    later[k][start : start + len(w)] = v
         if len(own_random):
             per_token = _ratio_to_random({(fn_class, name): {k: part[k].to_numpy() for k in ("seq", "pos", "kl")}
                                           for name, part in (("patch", own), ("random", own_random))}, fn_class)
@@ -343,6 +377,7 @@ def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenan
             "spearman_relerr_kl_null": pa.array(null_rel, pa.float64(), from_pandas=True),
             "spearman_normres_kl_null": pa.array(null_norm, pa.float64(), from_pandas=True),
             "kl_ratio_random": pa.array(ratio, pa.float64(), from_pandas=True),
+            **{k: pa.array(v, pa.float64(), from_pandas=True) for k, v in later.items()},
         }, prov, layer))
     return pa.concat_tables(parts)
 

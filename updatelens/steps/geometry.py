@@ -15,7 +15,7 @@ from updatelens.bootstrap import (
     jackknife_counts,
 )
 from updatelens.config import AnalysisConfig
-from updatelens.findings import JACKKNIFE_FIRST, TOKEN_STATISTICS
+from updatelens.findings import JACKKNIFE_FIRST, RANK_DEFS, TOKEN_STATISTICS
 from updatelens.fits import LayerFit
 from updatelens.geometry import (
     CONTEXT_COLUMNS,
@@ -63,6 +63,7 @@ class LayerGeometry:
         self.jackknife = jackknife_counts(resample_units(cfg, docs), cfg.jackknife_groups, cfg.seed)
         self.which = WHICH + NULL_WHICH if null_spectra else WHICH
         self.grams = {(c, w): np.zeros((d, d)) for c in classes for w in self.which}
+        self.sums = {(c, w): np.zeros(d) for c in classes for w in self.which}  # for the centred spectra
         self.replicate_grams = {(c, w): ResampledGrams(self.jackknife, d) for c in classes for w in self.which}
         self.n_rows = 0
         self.subspaces: dict[str, Subspace] = {}
@@ -75,8 +76,12 @@ class LayerGeometry:
         for fn_class, fit in fits.items():
             dec = decompose(data.x, data.y, fit.tx)
             for which, v in zip(WHICH, (dec.delta_full, dec.delta_tok, dec.residual)):
-                self.grams[(fn_class, which)] += v.T @ v
-                self.replicate_grams[(fn_class, which)].add(v, seq)
+                self._add(fn_class, which, v, seq)
+
+    def _add(self, fn_class: str, which: str, v: np.ndarray, seq: np.ndarray) -> None:
+        self.grams[(fn_class, which)] += v.T @ v
+        self.sums[(fn_class, which)] += v.sum(axis=0)
+        self.replicate_grams[(fn_class, which)].add(v, seq)
 
     def finish(self) -> None:
         self.subspaces = {c: subspace_from_gram(g, self.n_rows, self.cfg.energy_threshold)
@@ -95,8 +100,7 @@ class LayerGeometry:
             null = null_residual(dec, directions)
             if "res_null" in self.which:
                 for which, v in (("full_null", null.delta_full), ("res_null", null.residual)):
-                    self.grams[(fn_class, which)] += v.T @ v
-                    self.replicate_grams[(fn_class, which)].add(v, data.seq)
+                    self._add(fn_class, which, v, data.seq)
             metrics = token_metrics(data.x, data.y, fit.tx, dec)
             metrics.update(projection_metrics(dec, sub, self.cfg.subspace_ms))
             metrics.update(null_metrics(dec, null, data.x, sub, NULL_M))
@@ -127,6 +131,9 @@ class LayerGeometry:
         parts = []
         for (fn_class, which), gram in self.grams.items():
             sp = spectrum_from_gram(gram, self.n_rows, self.cfg.energy_threshold)
+            total = self.sums[(fn_class, which)]
+            centred = spectrum_from_gram(gram - np.outer(total, total) / max(self.n_rows, 1), self.n_rows,
+                                         self.cfg.energy_threshold)
             k = len(sp.singular_values)
             parts.append(with_provenance({
                 "fn_class": pa.array([fn_class] * k),
@@ -135,6 +142,7 @@ class LayerGeometry:
                 "sigma": pa.array(sp.singular_values),
                 "cum_energy": pa.array(sp.cum_energy),
                 "effective_rank": pa.array([sp.effective_rank] * k),
+                "effective_rank_centred": pa.array([centred.effective_rank] * k),
                 "m_energy": pa.array([sp.m_energy] * k, pa.int32()),
             }, prov, layer))
         return pa.concat_tables(parts)
@@ -146,7 +154,8 @@ class LayerGeometry:
         parts = []
         b, g = self.cfg.bootstrap, len(self.jackknife)
         keys = [(c, w) for c in self.scalars for w in self.which]
-        spectra_ranks = dict(zip(keys, effective_ranks_of([self.replicate_grams[key] for key in keys])))
+        spectra_ranks = {(*key, centred): ranks for centred in (False, True) for key, ranks in zip(
+            keys, effective_ranks_of([self.replicate_grams[key] for key in keys], centred=centred))}
         for fn_class, blocks in self.scalars.items():
             merged = {k: np.concatenate([blk[k] for blk in blocks]) for k in blocks[0]}
             resampled = geometry_replicates(merged["seq"], merged, self.counts)
@@ -155,11 +164,11 @@ class LayerGeometry:
                 "replicate": pa.array(np.concatenate([np.arange(b), JACKKNIFE_FIRST - np.arange(g)]), pa.int32())}
             cols.update({k: pa.array(np.concatenate([v, np.full(g, np.nan)]), pa.float64(), from_pandas=True)
                          for k, v in resampled.items()})
-            for which in WHICH + NULL_WHICH:
+            for name, which, centred in RANK_DEFS:
                 ranks = np.full(b + g, np.nan)
                 if which in self.which:
-                    ranks[b:] = spectra_ranks[(fn_class, which)]
-                cols[f"rank_{which}"] = pa.array(ranks, pa.float64(), from_pandas=True)
+                    ranks[b:] = spectra_ranks[(fn_class, which, centred)]
+                cols[name] = pa.array(ranks, pa.float64(), from_pandas=True)
             parts.append(with_provenance(cols, prov, layer))
         return pa.concat_tables(parts)
 
