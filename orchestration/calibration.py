@@ -72,10 +72,10 @@ def calibration_table(lens: UpdateLensResource, model: str) -> pl.DataFrame:
     """The model's rows of the `calibration` view, rounded for display."""
     store = lens.store
     store.refresh()
-    return store.query("SELECT layer, n_tokens, k, target, round(rel_err_median, 3) AS rel_err, "
+    return store.query("SELECT layer, n_tokens, fn_class, k, target, round(rel_err_median, 3) AS rel_err, "
                        "round(rel_err_lo, 3) AS rel_lo, round(rel_err_hi, 3) AS rel_hi, "
                        "round(cos_full_tok_median, 3) AS cos, round(cos_lo, 3) AS cos_lo, round(cos_hi, 3) AS cos_hi, "
-                       "finding_1 FROM calibration WHERE model = $1 ORDER BY layer, n_tokens, k, target", [model])
+                       "finding_1 FROM calibration WHERE model = $1 ORDER BY layer, n_tokens, fn_class, k, target", [model])
 
 
 class CalibrateConfig(dg.Config):

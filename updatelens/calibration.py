@@ -2,12 +2,18 @@
 construction, and from how many tokens on?
 
 One capture of the largest sample serves every size (the first n windows: nested samples, as the
-convergence study's). For each layer, size and neighbour count k, the neighbours are searched among
-all the size's tokens (exclusion by document, as the pipeline's), and the fit is evaluated at a fixed
-subsample of anchors (the power comes from how densely the neighbours cover the space, not from how
-many anchors are scored): for the real update and for each positive control (updatelens.steps.controls),
-the median relative error ‖y - T(x)‖ / ‖y - x‖ and the median cos(Δ_full, Δ_tok) with 95 % bootstrap
-intervals over documents, and where that cosine's interval lies against finding 1's threshold.
+convergence study's; with the default's one window per article, n windows are n articles). For each
+layer, size and neighbour count k, the neighbours are searched anew among the size's tokens
+(exclusion by document, as the pipeline's), and the local fit is evaluated at a fixed subsample of
+anchors (the power comes from how densely the neighbours cover the space, not from how many anchors
+are scored). Beside the local classes, the global ones (`global_linear`, `mlp`: one map per layer,
+fitted on the size's documents in folds and evaluated on the held-out fold; k is 0 for them): for the
+real update and for each positive control (updatelens.steps.controls), the median relative error
+‖y - T(x)‖ / ‖y - x‖ and the median cos(Δ_full, Δ_tok) with 95 % bootstrap intervals over documents,
+and where that cosine's interval lies against finding 1's threshold. The mlp, the costly one, is
+fitted to the self-and-first control only (the power question); `CONTROL_ONLY`. The linear control
+(one map fitted outside the sample) is not part of the study: an architecture without the
+self-and-first block (Mamba) has no power row, and the power line says so.
 """
 
 from __future__ import annotations
@@ -24,17 +30,19 @@ from updatelens.capture import capture_batches, kept_mask, self_first_layers
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample
 from updatelens.findings import BY_ID
-from updatelens.fits import fit_local_batched, torch_dtype
+from updatelens.fits import LOCAL_FITTERS, fit_layer, fit_local_batched, torch_dtype
 from updatelens.fits.base import FitParams
 from updatelens.models import LoadedModel
 from updatelens.neighbours import knn
-from updatelens.steps.controls import linear_target, made_controls
 from updatelens.tables import Provenance, with_provenance
 from updatelens.verdicts import threshold_outcome
 
 DEFAULT_TOKENS = (2048, 8192, 32768)
 DEFAULT_KS = (16, 64, 256)
 DEFAULT_ANCHORS = 2048  # anchors scored per (layer, size): the default job's whole sample
+DEFAULT_CLASSES = ("lowrank", "global_linear", "mlp")
+CONTROL_ONLY = frozenset({"mlp"})  # fitted to the power question's target (the self-and-first control) only
+POWER_TARGET = "self_first"
 
 
 @dataclass
@@ -86,15 +94,15 @@ def _interval(values: np.ndarray, weights: np.ndarray) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def calibrate_layer(data: LayerSample, n_seq: int, ks: Sequence[int], cfg: AnalysisConfig, fn_class: str,
-                    n_anchors: int, controls: Sequence[str]) -> list[dict[str, object]]:
-    """The rows of one layer at one size (the first n_seq windows): per k and target (real, each
-    control), the medians with their intervals over documents."""
+def calibrate_layer(data: LayerSample, n_seq: int, ks: Sequence[int], cfg: AnalysisConfig,
+                    classes: Sequence[str], n_anchors: int, controls: Sequence[str]) -> list[dict[str, object]]:
+    """The rows of one layer at one size (the first n_seq windows): per class, k (local classes; 0 for
+    the global ones) and target (real, each control), the medians with their intervals over documents."""
     take = data.seq < n_seq
     x, y, seq, doc = data.x[take], data.y[take], data.seq[take], data.doc[take]
     targets: dict[str, np.ndarray] = {"real": y}
-    for control in made_controls(tuple(controls), data.y_ctl is not None):
-        targets[control] = data.y_ctl[take] if control == "self_first" else linear_target(x, y, doc, cfg.ridge)  # type: ignore[index]
+    if "self_first" in controls and data.y_ctl is not None:
+        targets["self_first"] = data.y_ctl[take]
     rng = np.random.default_rng([cfg.seed, n_seq, 0xCA1])
     anchors = np.sort(rng.choice(len(x), size=min(n_anchors, len(x)), replace=False))
     groups = doc if cfg.exclusion == "document" else seq
@@ -109,19 +117,30 @@ def calibrate_layer(data: LayerSample, n_seq: int, ks: Sequence[int], cfg: Analy
     params = FitParams(rank=cfg.rank, ridge=cfg.ridge, orthogonal_scale=cfg.orthogonal_scale)
     finding = BY_ID["1"]
     rows: list[dict[str, object]] = []
-    for k in ks:
-        nb = inverse[found[anchors, :k]]
-        for target, values in targets.items():
-            fit = fit_local_batched(fn_class, xo, values[order], nb, params, torch_dtype(cfg.fit_dtype),
-                                    cfg.anchor_chunk, cfg.device)
-            rel, cos = _row_stats(x[anchors], values[anchors], fit.tx.cpu().numpy())
-            rel_lo, rel_hi = _interval(rel, counts)
-            cos_lo, cos_hi = _interval(cos, counts)
-            rows.append({"n_tokens": int(len(x)), "n_seq": int(n_seq), "k": int(k), "fn_class": fn_class,
-                         "target": target, "n_anchors": int(len(anchors)), "n_docs": int(len(np.unique(doc))),
-                         "rel_err_median": float(np.median(rel)), "rel_err_lo": rel_lo, "rel_err_hi": rel_hi,
-                         "cos_full_tok_median": float(np.median(cos)), "cos_lo": cos_lo, "cos_hi": cos_hi,
-                         "finding_1": threshold_outcome(finding.op, finding.bound, cos_lo, cos_hi)})
+
+    def score(fn_class: str, k: int, target: str, tx: np.ndarray) -> None:
+        rel, cos = _row_stats(x[anchors], targets[target][anchors], tx)
+        rel_lo, rel_hi = _interval(rel, counts)
+        cos_lo, cos_hi = _interval(cos, counts)
+        rows.append({"n_tokens": int(len(x)), "n_seq": int(n_seq), "k": int(k), "fn_class": fn_class,
+                     "target": target, "n_anchors": int(len(anchors)), "n_docs": int(len(np.unique(doc))),
+                     "rel_err_median": float(np.median(rel)), "rel_err_lo": rel_lo, "rel_err_hi": rel_hi,
+                     "cos_full_tok_median": float(np.median(cos)), "cos_lo": cos_lo, "cos_hi": cos_hi,
+                     "finding_1": threshold_outcome(finding.op, finding.bound, cos_lo, cos_hi)})
+
+    for fn_class in classes:
+        wanted = [t for t in targets if fn_class not in CONTROL_ONLY or t == POWER_TARGET]
+        if fn_class not in LOCAL_FITTERS:  # one map per layer, fitted in folds of documents, no neighbours
+            for target in wanted:
+                fit = fit_layer(fn_class, x, targets[target], doc, None, cfg)
+                score(fn_class, 0, target, fit.tx[anchors])
+            continue
+        for k in ks:
+            nb = inverse[found[anchors, :k]]
+            for target in wanted:
+                local = fit_local_batched(fn_class, xo, targets[target][order], nb, params, torch_dtype(cfg.fit_dtype),
+                                          cfg.anchor_chunk, cfg.device)
+                score(fn_class, k, target, local.tx.cpu().numpy())
     return rows
 
 
@@ -141,8 +160,9 @@ def calibration_table(rows: list[dict[str, object]], prov: Provenance, layer: in
 
 
 def calibrate(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig, prov: Provenance, layers: Sequence[int],
-              sizes: Sequence[int], ks: Sequence[int], fn_class: str = "lowrank", n_anchors: int = DEFAULT_ANCHORS,
-              controls: Sequence[str] = ("self_first", "linear"),
+              sizes: Sequence[int], ks: Sequence[int], classes: Sequence[str] = DEFAULT_CLASSES,
+              n_anchors: int = DEFAULT_ANCHORS,
+              controls: Sequence[str] = ("self_first",),
               log: Callable[[str], None] = print) -> dict[int, pa.Table]:
     """Every layer's calibration table over the sizes (numbers of windows, nested) and neighbour counts."""
     with torch.inference_mode():
@@ -151,7 +171,7 @@ def calibrate(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig, prov: Proven
     for layer in layers:
         rows = []
         for n_seq in sorted(sizes):
-            rows += calibrate_layer(captured[layer], n_seq, ks, cfg, fn_class, n_anchors, controls)
+            rows += calibrate_layer(captured[layer], n_seq, ks, cfg, classes, n_anchors, controls)
             log(f"calibrate: {lm.slug} layer {layer}, {n_seq} windows: done")
         out[layer] = calibration_table(rows, prov, layer)
     return out

@@ -91,6 +91,7 @@ def test_the_wheel_installs_one_namespace_and_runs_from_outside_the_repository(t
     assert {n.split("/")[0] for n in names} == {"updatelens", wheel.name.split("-")[0] + "-" +
                                                 wheel.name.split("-")[1] + ".dist-info"}
     assert "updatelens/assets/checks.py" in names and "updatelens/default_registry.toml" in names
+    assert "updatelens/power/calibration-smollm2-135m.json" in names  # the shipped power record (updatelens.power)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True, timeout=300)
     env = {**os.environ, "PYTHONPATH": str(site)}
