@@ -15,7 +15,8 @@ from updatelens.assets.common import Finished, Written, each_model, finish, stag
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.capture import capture_batches, self_first_layers
 from updatelens.preflight import check_data_root
-from updatelens.steps.activations import activation_rows, provenance, token_rows
+from updatelens.steps.activations import activation_rows, held_out_maps, provenance, token_rows
+from updatelens.steps.controls import made_controls
 
 
 @stage_asset
@@ -38,19 +39,25 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
         sample = lens.sample(lm)
         context.log.info(f"{model}: capturing {sample.slice_desc} ({lm.n_layers} blocks, d={lm.d_model})")
         prov = provenance(lm, sample, cfg)
+        self_first = self_first_layers(lm, cfg.positive_controls, layers, sample.first_token)
+        maps = {}
+        if "linear" in made_controls(cfg.positive_controls, bool(self_first)):  # one map per layer, fitted outside the sample
+            held_out = lens.held_out_sample(lm, sample)
+            context.log.info(f"{model}: fitting the linear control's map per layer on {held_out.slice_desc}")
+            maps = held_out_maps(lm, held_out, layers, cfg)
         with ExitStack() as stack:
             sinks = {layer: stack.enter_context(store.partition("activations", model, layer).writer())
                      for layer in layers}
             token_sinks = {layer: stack.enter_context(store.partition("tokens", model, layer).writer())
                            for layer in layers}
-            self_first = self_first_layers(lm, cfg.positive_controls, layers, sample.first_token)
             for batch in capture_batches(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch,
                                          last_block=max(layers), self_first=self_first):
                 text = token_rows(lm.tokenizer, batch.input_ids, 0, prov, batch.start)
                 for layer, sink in sinks.items():
                     docs = sample.doc_index[batch.start : batch.start + len(batch.input_ids)]
                     sink.write(activation_rows(batch.states, batch.input_ids, batch.attention_mask, layer,
-                                               cfg, prov, docs, batch.start, batch.self_first.get(layer)))
+                                               cfg, prov, docs, batch.start, batch.self_first.get(layer),
+                                               maps.get(layer)))
                     token_sinks[layer].write(text.set_column(0, "layer", pa.array([layer] * len(text), pa.int32())))
         n_check = min(lens.checks.hidden_state_sequences, len(sample.input_ids))
         heads = {}

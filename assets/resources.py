@@ -15,7 +15,7 @@ import pydantic
 import torch
 from upath import UPath
 
-from updatelens.analysis import model_sample
+from updatelens.analysis import held_out_sample, model_sample
 from updatelens.assets.checks import CheckSettings
 from updatelens.config import AnalysisConfig, field_help, json_object_env
 from updatelens.corpus import Sample
@@ -102,3 +102,7 @@ class UpdateLensResource(dg.ConfigurableResource):
         cfg = self.config()
         entry = get_corpus(self.corpus, Path(self.registry))
         return model_sample(lm, entry, cfg)
+
+    def held_out_sample(self, lm: LoadedModel, sample: Sample) -> Sample:
+        """The linear control's held-out windows (analysis.held_out_sample)."""
+        return held_out_sample(lm, get_corpus(self.corpus, Path(self.registry)), self.config(), sample)

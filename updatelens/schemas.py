@@ -116,7 +116,10 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                 _c("y", VECTOR, "h_{l+1}, the block's output hidden state"),
                 _c("y_ctl", VECTOR, "block l run on h_l with each token attending to itself and the window's first position: the "
                                      "positive control's target, tokenwise by construction (null where the "
-                                     "architecture has no attention or the control was not asked for)")]
+                                     "architecture has no attention or the control was not asked for)"),
+                _c("y_lin", VECTOR, "x + xB: the linear control's target, B one ridge map of the layer fitted on "
+                                    "held-out windows (documents outside the sample; null where the control is not "
+                                    "made)")]
     elif table == "tokens":
         body = [SEQ, POS, _c("token_id", I64, "input token id"), _c("token", STR, "the token's text"),
                 _c("context", STR, "a short left context ending with the token")]

@@ -108,9 +108,13 @@ def test_wrong_vector_length_blocks_the_fits(zoo: Path, tmp_path: Path, monkeypa
     """x and y one entry short (a capture from another width: the schema takes any width shared by
     a table's vectors, the check compares it with the model's)."""
     def short(t: pa.Table) -> pa.Table:
-        for column in ("x", "y", "y_ctl"):
-            if t[column].null_count < len(t):  # y_ctl: only at the layers that capture a self-and-first control
+        for column in ("x", "y", "y_ctl", "y_lin"):
+            if t[column].null_count < len(t):  # y_ctl, y_lin: only where a control is made
                 t = with_vectors(t, column, lambda v: v[:, :-1])
+            else:  # a control not made: its nulls take the capture's width too
+                width = t.schema.field(column).type.list_size - 1
+                t = t.set_column(t.schema.get_field_index(column), column,
+                                 pa.nulls(len(t), pa.list_(pa.float32(), width)))
         return t
 
     corrupt(monkeypatch, assets.activations, "activation_rows", short)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import dagster as dg
 import duckdb
+import numpy as np
 import pytest
 
 from tests.zoo import N_LAYERS
@@ -18,6 +19,7 @@ from updatelens.orchestration.runner import failure_message, materialize_model
 from updatelens.stages import TABLES
 from updatelens.storage import catalog
 from updatelens.storage.layout import partition_file
+from updatelens.tables import to_matrix
 
 MODELS = ["tiny-gpt2", "tiny-llama", "tiny-mamba"]
 CLASSES = ["diagonal", "psd_diagonal", "lowrank", "orthogonal", "global_linear", "mlp"]
@@ -525,3 +527,29 @@ def test_the_fits_are_set_against_the_exact_split_where_it_was_captured(run) -> 
     summary = catalog.query(lens.root, "SELECT count(cos_res_ctx_median) AS n FROM layer_summary "
                                        "WHERE model = 'tiny-llama'").item()
     assert summary == N_LAYERS * len(CLASSES)
+
+
+def test_mamba_s_linear_control_is_one_map_fitted_on_windows_outside_the_sample(run) -> None:
+    """Mamba has no self-and-first block, so the linear control stands in: the activations carry
+    y_lin = x + xB on every row, B one map of the layer (x -> y_lin - x is exactly linear across all the
+    sample's documents), fitted on the windows after the sample (B is the held-out windows' ridge map,
+    recomputed here); the attention models make no linear control (y_lin null)."""
+    from updatelens.steps.activations import held_out_maps
+    from updatelens.steps.controls import linear_outputs
+
+    lens, _ = run
+    made = catalog.query(lens.root, "SELECT model, count(y_lin) = count(*) AS every, count(y_lin) = 0 AS none "
+                                    "FROM activations GROUP BY model ORDER BY model").rows()
+    assert made == [("tiny-gpt2", False, True), ("tiny-llama", False, True), ("tiny-mamba", True, False)]
+    layer = 1
+    rows = lens.store.partition("activations", "tiny-mamba", layer).read(["x", "y_lin"])
+    x, y_lin = to_matrix(rows["x"]), to_matrix(rows["y_lin"])
+    lm = lens.load("tiny-mamba")
+    sample = lens.sample(lm)
+    held = lens.held_out_sample(lm, sample)
+    assert not set(held.doc_index.tolist()) & set(sample.doc_index.tolist())  # other documents only
+    b = held_out_maps(lm, held, [layer], lens.config())[layer]
+    np.testing.assert_allclose(y_lin, linear_outputs(x, b), rtol=1e-5, atol=1e-5)
+    controls = catalog.query(lens.root, "SELECT DISTINCT control FROM control_geometry WHERE model = 'tiny-mamba' "
+                                        "ORDER BY control")["control"].to_list()
+    assert controls == ["linear", "unrelated"]

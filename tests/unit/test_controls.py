@@ -16,7 +16,7 @@ from updatelens.capture import capture_batches, record_block_calls, record_block
 from updatelens.errors import ModelError
 from updatelens.findings import BY_ID
 from updatelens.models import LoadedModel, locate_blocks
-from updatelens.steps.controls import linear_target
+from updatelens.steps.controls import HeldOutMaps, linear_outputs
 from updatelens.storage import catalog
 from updatelens.storage.layout import write_partition
 
@@ -131,20 +131,55 @@ def test_an_architecture_without_attention_has_no_self_first_control(tiny_models
         self_first(tiny_models["tiny-mamba"], ids(), [0])
 
 
-def test_the_linear_control_never_sees_the_tokens_document() -> None:
+def test_the_linear_control_is_one_map_fitted_outside_the_sample() -> None:
     rng = np.random.default_rng(0)
-    n, d = 300, 6
-    x = rng.normal(size=(n, d)).astype(np.float32)
-    doc = np.repeat(np.arange(6), n // 6)
+    d = 6
     b = rng.normal(size=(d, d)) * 0.3
-    y = (x + x @ b).astype(np.float32)
-    target = linear_target(x, y, doc, ridge=1e-9)
-    np.testing.assert_allclose(target, y, rtol=1e-4, atol=1e-4)  # an exactly linear update is recovered
-    changed = y.copy()
-    changed[doc == 2] += rng.normal(size=(int((doc == 2).sum()), d)).astype(np.float32) * 5
-    again = linear_target(x, changed, doc, ridge=1e-9)
-    np.testing.assert_array_equal(again[doc == 2], target[doc == 2])  # its own document's y is never used
-    assert not np.allclose(again[doc != 2], target[doc != 2])  # the others' fits saw it
+    maps = HeldOutMaps([0, 1], d)
+    for _ in range(3):  # held-out tokens, batch by batch: layer 0 exactly linear, layer 1 with noise
+        x = rng.normal(size=(100, d)).astype(np.float32)
+        maps.rows += len(x)
+        maps.add(0, x, x + x @ b)
+        maps.add(1, x, x + x @ b + rng.normal(size=x.shape))
+    fitted = maps.maps(ridge=1e-9)
+    np.testing.assert_allclose(fitted[0], b, atol=1e-5)  # an exactly linear update is recovered
+    assert not np.allclose(fitted[1], b, atol=1e-3)
+    # the sample's tokens get x + xB: one function of x, which never saw the sample's own y
+    x_in = rng.normal(size=(50, d)).astype(np.float32)
+    np.testing.assert_allclose(linear_outputs(x_in, fitted[0]), x_in + x_in @ b, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="held-out tokens"):
+        HeldOutMaps([0], d).maps(0.1)
+
+
+def test_the_held_out_windows_come_after_the_sample_from_other_documents(monkeypatch: pytest.MonkeyPatch) -> None:
+    from updatelens import corpus
+    from updatelens.analysis import held_out_sample, model_sample
+    from updatelens.config import AnalysisConfig
+    from updatelens.errors import CorpusError
+    from updatelens.registry import CorpusEntry
+
+    class Words:
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+            return {"input_ids": [hash(w) % 1000 for w in text.split()]}
+
+    class Lm:  # what the samples read of a loaded model
+        tokenizer, adapter = Words(), None
+
+    docs = [" ".join(f"d{d}w{i}" for i in range(45)) for d in range(12)]  # 4 windows of 10 words each
+    monkeypatch.setattr(corpus, "read_documents", lambda entry: (d for d in docs))
+    monkeypatch.setattr("updatelens.analysis.window_first_token", lambda adapter, tokenizer: None)
+    entry = CorpusEntry("c", "embedded")
+    one = AnalysisConfig(n_seq=5, seq_len=10, windows_per_doc=1)
+    sample = model_sample(Lm(), entry, one)  # type: ignore[arg-type]
+    held = held_out_sample(Lm(), entry, one, sample)  # type: ignore[arg-type]
+    assert sample.doc_index.tolist() == [0, 1, 2, 3, 4] and held.doc_index.tolist() == [5, 6, 7, 8, 9]
+    every = AnalysisConfig(n_seq=6, seq_len=10, windows_per_doc=0)  # documents 0 and 1, then 1 (two windows) and 2
+    sample = model_sample(Lm(), entry, every)  # type: ignore[arg-type]
+    held = held_out_sample(Lm(), entry, every, sample)  # type: ignore[arg-type]
+    assert held.doc_index.tolist() == [2, 2, 2, 2] and held.slice_desc.endswith("less 2 windows of the sample's documents")
+    whole = AnalysisConfig(n_seq=2, seq_len=10, windows_per_doc=0)  # the next two windows are document 0's too
+    with pytest.raises(CorpusError, match="all come from the sample's documents"):
+        held_out_sample(Lm(), entry, whole, model_sample(Lm(), entry, whole))  # type: ignore[arg-type]
 
 
 def write_control(root: Path, control: str, shift: dict[str, float] | None = None) -> None:

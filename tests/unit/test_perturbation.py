@@ -256,6 +256,10 @@ def test_functional_tables_cover_kept_tokens_and_controls(tiny_models: dict) -> 
     assert by[("patch", "lowrank")]["kl_later_random_mean"] == pytest.approx(float(later_random[on].mean()))
     assert by[("patch", "lowrank")]["later_ratio_median"] == pytest.approx(float(np.median(later[on] / later_random[on])))
     assert by[("patch", "diagonal")]["later_ratio_median"] is None
+    # after the last block no attention follows: the later positions cannot move, so none is measured
+    last = LayerData(lm.n_layers - 1, ids, kept, cap.states[lm.n_layers - 1], cap.states[lm.n_layers])
+    _, at_last = functional_tables(lm, last, fake_fits(cap, lm.n_layers - 1, kept, 0.3), orig, cfg, prov)
+    assert set(at_last["n_later"].to_pylist()) == {0} and set(at_last["later_ratio_median"].to_pylist()) == {None}
     unit = functional_bootstrap_table(fm, cfg.replace(bootstrap=3), prov, layer, np.arange(4))
     counts = np.asarray(sequence_counts(np.arange(4), 3, cfg.seed))
     boot = unit.filter(pc.equal(unit["fn_class"], "lowrank"))["kl_ratio_random"].to_numpy()

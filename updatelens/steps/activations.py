@@ -6,11 +6,25 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from updatelens.capture import Captured, kept_mask
+from updatelens.capture import Captured, capture_batches, kept_mask
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample
 from updatelens.models import LoadedModel
+from updatelens.steps.controls import HeldOutMaps, linear_outputs
 from updatelens.tables import Provenance, vector_column, with_provenance
+
+
+def held_out_maps(lm: LoadedModel, held_out: Sample, layers: list[int], cfg: AnalysisConfig) -> dict[int, np.ndarray]:
+    """The linear control's B per layer: the ridge regression of h_{l+1} - h_l on h_l over the kept
+    tokens of the held-out windows (`corpus.held_out_sample`), one capture streamed batch by batch."""
+    maps = HeldOutMaps(layers, lm.d_model)
+    for batch in capture_batches(lm, held_out.input_ids, held_out.attention_mask, cfg.capture_batch,
+                                 last_block=max(layers)):
+        kept = kept_mask(batch.attention_mask, cfg.skip_first_position)
+        maps.rows += int(kept.sum())
+        for layer in layers:
+            maps.add(layer, batch.states[layer][kept], batch.states[layer + 1][kept])
+    return maps.maps(cfg.ridge)
 
 
 def provenance(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig) -> Provenance:
@@ -21,11 +35,12 @@ def provenance(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig) -> Provenan
 
 def activation_rows(states: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray, layer: int,
                     cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray, seq_offset: int = 0,
-                    self_first: np.ndarray | None = None) -> pa.Table:
+                    self_first: np.ndarray | None = None, linear_map: np.ndarray | None = None) -> pa.Table:
     """Transition l for a batch of sequences: x = h_l, y = h_{l+1}, every position (kept flags the
     ones in statistics). `states` [L+1, b, T, d]; the rows are sequences seq_offset.. of the sample,
     `docs` [b] the document each was cut from; `self_first` [b, T, d]: block l with each token
-    attending to itself and the window's first position (null where not made: an architecture without attention, or not asked)."""
+    attending to itself and the window's first position (null where not made: an architecture without attention, or not asked);
+    `linear_map` [d, d]: the linear control's B, fitted on held-out windows (`y_lin` = x + xB; null where not made)."""
     n_seq, seq_len = input_ids.shape
     kept = kept_mask(attention_mask, cfg.skip_first_position)
     d = states.shape[-1]
@@ -40,6 +55,8 @@ def activation_rows(states: np.ndarray, input_ids: np.ndarray, attention_mask: n
         "y": vector_column(states[layer + 1].reshape(-1, d)),
         "y_ctl": (vector_column(self_first.reshape(-1, d)) if self_first is not None
                    else pa.nulls(n_seq * seq_len, pa.list_(pa.float32(), d))),
+        "y_lin": (vector_column(linear_outputs(states[layer].reshape(-1, d), linear_map)) if linear_map is not None
+                  else pa.nulls(n_seq * seq_len, pa.list_(pa.float32(), d))),
     }
     return with_provenance(cols, prov, layer)
 
@@ -65,7 +82,9 @@ def token_rows(tokenizer: object, input_ids: np.ndarray, layer: int, prov: Prove
     return with_provenance(cols, prov, layer)
 
 
-def activations_table(cap: Captured, layer: int, cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray) -> pa.Table:
-    """Transition l of a whole in-memory capture (notebooks, tests); `docs`: the sample's doc_index."""
+def activations_table(cap: Captured, layer: int, cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray,
+                      linear_map: np.ndarray | None = None) -> pa.Table:
+    """Transition l of a whole in-memory capture (notebooks, tests); `docs`: the sample's doc_index;
+    `linear_map`: the linear control's B for this layer (`held_out_maps`)."""
     return activation_rows(cap.states, cap.input_ids, cap.attention_mask, layer, cfg, prov, docs,
-                           self_first=cap.self_first.get(layer))
+                           self_first=cap.self_first.get(layer), linear_map=linear_map)

@@ -8,8 +8,10 @@ fits (the same classes, on the same stored neighbours) and the same geometry as 
 - `self_first`: block l on h_l with each token attending to itself and the window's first position (captured with the
   activations, column `y_ctl`): the model's own norms, MLP and nonlinearity, and no path between
   tokens. Attention architectures only (Mamba's mixer has no mask: no self-and-first stand-in).
-- `linear`: x -> x + xB, B a ridge fit of the real update y - x on every token outside the token's
-  document (leave one document out), so the target of a token never used its own article.
+- `linear`: x -> x + xB, B one ridge map per layer fitted on the update y - x of held-out windows (the
+  windows after the sample, from documents the sample does not hold: `held_out_windows`), so the
+  target is one tokenwise function that never saw the sample; the activations stage fits it
+  (`HeldOutMaps`) and stores x + xB per token as the activations' `y_lin`.
 
 Beside them, always, the null target `unrelated` (`unrelated_target`): x -> x + the update of a token
 of another document, so the target has the layer's own updates (their mean, spread and shape) and
@@ -44,23 +46,38 @@ MEASURED_TABLES = CONTROL_TABLES[:3]  # the geometry stage's tables, per control
 SPLIT_TABLES = CONTROL_TABLES[3:]  # the exact split by the self-and-first block
 
 
-def linear_target(x: np.ndarray, y: np.ndarray, doc: np.ndarray, ridge: float) -> np.ndarray:
-    """x + xB_{-d} for each token, B_{-d} the ridge regression of y - x on x over the tokens of every
-    document but the token's own d ([N, d] float32 in, float32 out; float64 solves). The ridge is
-    `ridge` times the mean eigenvalue of the training tokens' normal matrix, as the fits' ridge."""
-    x64 = x.astype(np.float64)
-    delta = y.astype(np.float64) - x64
-    d = x.shape[1]
-    gram, cross = x64.T @ x64, x64.T @ delta
-    out = np.empty_like(x, dtype=np.float32)
-    for group in np.unique(doc):
-        rows = doc == group
-        g = gram - x64[rows].T @ x64[rows]
-        c = cross - x64[rows].T @ delta[rows]
-        lam = ridge * float(np.trace(g)) / d
-        b = np.linalg.solve(g + lam * np.eye(d), c)
-        out[rows] = (x64[rows] + x64[rows] @ b).astype(np.float32)
-    return out
+def ridge_map(gram: np.ndarray, cross: np.ndarray, ridge: float) -> np.ndarray:
+    """B [d, d] of the ridge regression of y - x on x from the normal equations (gram = X^T X, cross =
+    X^T (Y - X), float64): the ridge is `ridge` times the mean eigenvalue of X^T X, as the fits' ridge."""
+    d = gram.shape[0]
+    lam = ridge * float(np.trace(gram)) / d
+    return np.linalg.solve(gram + lam * np.eye(d), cross)
+
+
+class HeldOutMaps:
+    """The linear control's map per layer, accumulated batch by batch over the kept tokens of the
+    held-out windows (memory: two d x d float64 matrices per layer, whatever their number)."""
+
+    def __init__(self, layers: list[int], d: int) -> None:
+        self.gram = {layer: np.zeros((d, d)) for layer in layers}
+        self.cross = {layer: np.zeros((d, d)) for layer in layers}
+        self.rows = 0
+
+    def add(self, layer: int, x: np.ndarray, y: np.ndarray) -> None:
+        x64 = np.asarray(x, np.float64)
+        self.gram[layer] += x64.T @ x64
+        self.cross[layer] += x64.T @ (np.asarray(y, np.float64) - x64)
+
+    def maps(self, ridge: float) -> dict[int, np.ndarray]:
+        if not self.rows:
+            raise ValueError("the linear control's map needs held-out tokens; none were captured")
+        return {layer: ridge_map(self.gram[layer], self.cross[layer], ridge) for layer in self.gram}
+
+
+def linear_outputs(x: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """x + xB for states x [..., d] (float32 out, float64 product): the linear control's target."""
+    x64 = np.asarray(x, np.float64)
+    return (x64 + x64 @ b).astype(np.float32)
 
 
 NULL_TARGET = "unrelated"  # the findings' fitted null (updatelens.findings.Finding.null_target)
@@ -97,7 +114,8 @@ def unrelated_target(x: np.ndarray, y: np.ndarray, doc: np.ndarray, seed: int) -
 def control_targets(data: LayerData, y_ctl: np.ndarray | None, cfg: AnalysisConfig) -> dict[str, np.ndarray]:
     """Each configured control's target over the full grid [n_seq, T, d] (kept positions filled; the
     others hold y, never read), then the null target `unrelated`. `y_ctl`: the stored self-and-first
-    outputs [n_seq, T, d], None where the architecture has none: the linear control then stands in for it."""
+    outputs [n_seq, T, d], None where the architecture has none: the linear control then stands in for it,
+    read from the activations' `y_lin` (data.y_lin_full)."""
     out: dict[str, np.ndarray] = {}
     for control in [*made_controls(cfg.positive_controls, y_ctl is not None), NULL_TARGET]:
         if control == "self_first":
@@ -106,7 +124,10 @@ def control_targets(data: LayerData, y_ctl: np.ndarray | None, cfg: AnalysisConf
             continue
         grid = data.y_full.copy()
         if control == "linear":
-            grid[data.kept] = linear_target(data.x, data.y, data.doc, cfg.ridge)
+            if data.y_lin_full is None:
+                raise ValueError(f"layer {data.layer}: the linear control's target (the activations' y_lin, x + xB "
+                                 f"with B fitted on held-out windows) was not captured; rerun the activations stage")
+            grid[data.kept] = data.y_lin_full[data.kept]
         elif control == NULL_TARGET:
             grid[data.kept] = unrelated_target(data.x, data.y, data.doc, cfg.seed)
         else:

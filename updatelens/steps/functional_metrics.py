@@ -151,7 +151,8 @@ def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit],
     key_measured = (seq_idx + data.seq_offset).astype(np.int64) * data.kept.shape[1] + pos_idx
     rows_in_kept = np.searchsorted(key_all, key_measured)
     later, later_random = np.full(measured.shape, np.nan), np.full(measured.shape, np.nan)
-    if cfg.later_positions:
+    # after the last block no attention follows, so the later positions cannot move (their KL is rounding): not measured
+    if cfg.later_positions and data.layer < lm.n_layers - 1:
         main = next(v for v in variants if v.name == "patch" and v.fn_class == cfg.primary_class)
         chosen = later_positions(measured, cfg.later_positions, cfg.seed, data.seq_offset, cfg.later_horizon)
         _, per_position = later_position_kl(lm, data.input_ids, data.layer, main.state, data.y_full, chosen, orig,

@@ -28,6 +28,7 @@ class LayerData:
     seq_offset: int = 0  # sample index of the first sequence (a block of the sample starts later)
     docs: np.ndarray | None = None  # [n_seq] the document of each sequence (None: each its own)
     y_ctl_full: np.ndarray | None = None  # [n_seq, T, d] the self-and-first output, where it was captured
+    y_lin_full: np.ndarray | None = None  # [n_seq, T, d] the linear control's x + xB, where it was made
 
     @property
     def x(self) -> np.ndarray:
@@ -73,6 +74,8 @@ def layer_data(table: pa.Table) -> LayerData:
         docs=table["doc"].to_numpy().reshape(n_seq, seq_len)[:, 0].copy() if "doc" in table.column_names else None,
         y_ctl_full=(to_matrix(table["y_ctl"]).reshape(n_seq, seq_len, d)
                     if "y_ctl" in table.column_names and table["y_ctl"].null_count == 0 else None),
+        y_lin_full=(to_matrix(table["y_lin"]).reshape(n_seq, seq_len, d)
+                    if "y_lin" in table.column_names and table["y_lin"].null_count == 0 else None),
     )
 
 
