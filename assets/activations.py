@@ -14,9 +14,9 @@ from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.capture import capture_batches, self_first_layers
+from updatelens.linear_control import made_controls
 from updatelens.preflight import check_data_root
 from updatelens.steps.activations import activation_rows, held_out_maps, provenance, token_rows
-from updatelens.steps.controls import made_controls
 
 
 @stage_asset

@@ -14,7 +14,8 @@ from updatelens.assets import checks
 from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.config import LOCAL_CLASSES
-from updatelens.steps.controls import control_layer_tables, made_controls, made_targets
+from updatelens.linear_control import made_controls
+from updatelens.steps.controls import control_layer_tables, made_targets
 from updatelens.steps.layer import layer_data
 from updatelens.tables import Provenance, to_matrix
 

@@ -16,12 +16,13 @@ from updatelens.capture import capture, self_first_layers
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample, make_sample
 from updatelens.errors import CorpusError
+from updatelens.linear_control import made_controls
 from updatelens.models import LoadedModel, window_first_token
 from updatelens.perturbation import OriginalOutput, original_output
 from updatelens.registry import CorpusEntry
 from updatelens.stages import TABLES
 from updatelens.steps.activations import activations_table, held_out_maps, provenance, token_rows
-from updatelens.steps.controls import CONTROL_TABLES, control_layer_tables, made_controls
+from updatelens.steps.controls import CONTROL_TABLES, control_layer_tables
 from updatelens.steps.functional_metrics import functional_bootstrap_table, functional_tables
 from updatelens.steps.geometry import geometry_tables
 from updatelens.steps.layer import LayerData, layer_data, sample_docs

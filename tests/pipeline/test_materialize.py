@@ -534,8 +534,8 @@ def test_mamba_s_linear_control_is_one_map_fitted_on_windows_outside_the_sample(
     y_lin = x + xB on every row, B one map of the layer (x -> y_lin - x is exactly linear across all the
     sample's documents), fitted on the windows after the sample (B is the held-out windows' ridge map,
     recomputed here); the attention models make no linear control (y_lin null)."""
+    from updatelens.linear_control import linear_outputs
     from updatelens.steps.activations import held_out_maps
-    from updatelens.steps.controls import linear_outputs
 
     lens, _ = run
     made = catalog.query(lens.root, "SELECT model, count(y_lin) = count(*) AS every, count(y_lin) = 0 AS none "

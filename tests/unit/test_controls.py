@@ -15,8 +15,8 @@ from tests.unit.test_findings import CLASSES, LAYERS, fixture, replicate_fixture
 from updatelens.capture import capture_batches, record_block_calls, record_block_states, self_first_outputs
 from updatelens.errors import ModelError
 from updatelens.findings import BY_ID
+from updatelens.linear_control import HeldOutMaps, linear_outputs
 from updatelens.models import LoadedModel, locate_blocks
-from updatelens.steps.controls import HeldOutMaps, linear_outputs
 from updatelens.storage import catalog
 from updatelens.storage.layout import write_partition
 

@@ -9,8 +9,8 @@ import pyarrow as pa
 from updatelens.capture import Captured, capture_batches, kept_mask
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample
+from updatelens.linear_control import HeldOutMaps, linear_outputs
 from updatelens.models import LoadedModel
-from updatelens.steps.controls import HeldOutMaps, linear_outputs
 from updatelens.tables import Provenance, vector_column, with_provenance
 
 

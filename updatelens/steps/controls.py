@@ -11,7 +11,7 @@ fits (the same classes, on the same stored neighbours) and the same geometry as 
 - `linear`: x -> x + xB, B one ridge map per layer fitted on the update y - x of held-out windows (the
   windows after the sample, from documents the sample does not hold: `held_out_windows`), so the
   target is one tokenwise function that never saw the sample; the activations stage fits it
-  (`HeldOutMaps`) and stores x + xB per token as the activations' `y_lin`.
+  (`updatelens.linear_control`) and stores x + xB per token as the activations' `y_lin`.
 
 Beside them, always, the null target `unrelated` (`unrelated_target`): x -> x + the update of a token
 of another document, so the target has the layer's own updates (their mean, spread and shape) and
@@ -34,6 +34,7 @@ import pyarrow as pa
 from updatelens.config import AnalysisConfig
 from updatelens.findings import EXACT
 from updatelens.fits import LayerFit, fit_layer
+from updatelens.linear_control import made_controls
 from updatelens.schemas import empty_table
 from updatelens.stages import BY_NAME
 from updatelens.steps.context_split import context_split_tables
@@ -44,40 +45,6 @@ from updatelens.tables import Provenance
 CONTROL_TABLES = BY_NAME["controls"].tables  # control_geometry, control_spectra, control_geometry_bootstrap, context_split*
 MEASURED_TABLES = CONTROL_TABLES[:3]  # the geometry stage's tables, per control
 SPLIT_TABLES = CONTROL_TABLES[3:]  # the exact split by the self-and-first block
-
-
-def ridge_map(gram: np.ndarray, cross: np.ndarray, ridge: float) -> np.ndarray:
-    """B [d, d] of the ridge regression of y - x on x from the normal equations (gram = X^T X, cross =
-    X^T (Y - X), float64): the ridge is `ridge` times the mean eigenvalue of X^T X, as the fits' ridge."""
-    d = gram.shape[0]
-    lam = ridge * float(np.trace(gram)) / d
-    return np.linalg.solve(gram + lam * np.eye(d), cross)
-
-
-class HeldOutMaps:
-    """The linear control's map per layer, accumulated batch by batch over the kept tokens of the
-    held-out windows (memory: two d x d float64 matrices per layer, whatever their number)."""
-
-    def __init__(self, layers: list[int], d: int) -> None:
-        self.gram = {layer: np.zeros((d, d)) for layer in layers}
-        self.cross = {layer: np.zeros((d, d)) for layer in layers}
-        self.rows = 0
-
-    def add(self, layer: int, x: np.ndarray, y: np.ndarray) -> None:
-        x64 = np.asarray(x, np.float64)
-        self.gram[layer] += x64.T @ x64
-        self.cross[layer] += x64.T @ (np.asarray(y, np.float64) - x64)
-
-    def maps(self, ridge: float) -> dict[int, np.ndarray]:
-        if not self.rows:
-            raise ValueError("the linear control's map needs held-out tokens; none were captured")
-        return {layer: ridge_map(self.gram[layer], self.cross[layer], ridge) for layer in self.gram}
-
-
-def linear_outputs(x: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """x + xB for states x [..., d] (float32 out, float64 product): the linear control's target."""
-    x64 = np.asarray(x, np.float64)
-    return (x64 + x64 @ b).astype(np.float32)
 
 
 NULL_TARGET = "unrelated"  # the findings' fitted null (updatelens.findings.Finding.null_target)
@@ -151,18 +118,6 @@ def exact_tables(data: LayerData, y_ctl: np.ndarray, cfg: AnalysisConfig,
     n = len(data.seq)
     fit = LayerFit(EXACT, y_ctl[data.kept].astype(np.float64), np.ones(n), np.zeros(n, bool))
     return geometry_tables(data, {EXACT: fit}, cfg, prov, partners=unrelated_partners(data.doc, cfg.seed))
-
-
-def made_controls(asked: tuple[str, ...], has_self_first: bool) -> list[str]:
-    """The controls made for `asked` (in order): self_first where the architecture has it, the linear
-    control in its place where it has not (Mamba, an unknown architecture)."""
-    out: list[str] = []
-    for control in asked:
-        if control == "self_first" and not has_self_first:
-            control = "linear"
-        if control not in out:
-            out.append(control)
-    return out
 
 
 def control_tables(data: LayerData, y_ctl: np.ndarray | None, neighbours: np.ndarray | None,
