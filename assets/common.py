@@ -20,6 +20,7 @@ from updatelens.assets.partitions import MODEL_LAYER, group_keys
 from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
+from updatelens.memory import release_free_memory
 from updatelens.stages import BY_NAME, STAGE_OF_TABLE, upstream
 from updatelens.steps.geometry import BlockReader
 from updatelens.steps.layer import LayerData, Transition, layer_data, transition_from_parts
@@ -290,6 +291,7 @@ class Finished:
 def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None,
            outcomes: list[checks.Outcome] | None = None) -> Finished:
     store.refresh()
+    release_free_memory()  # the stage's working memory back to the system before the next (updatelens.memory)
     # one partition: its file; several: the table folder they live under; within the data root (a moved or
     # copied root keeps it right)
     first = written.paths[0][len(store.url):].lstrip("/")

@@ -12,6 +12,7 @@ import os
 import sys
 
 from updatelens.config import field_help, flag_fields, settings_help
+from updatelens.memory import limit_malloc_arenas
 from updatelens.orchestration.commands import (
     cmd_calibrate,
     cmd_converge,
@@ -54,6 +55,7 @@ def shared_options() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    limit_malloc_arenas()  # before any worker thread allocates (updatelens.memory)
     parser = argparse.ArgumentParser(prog="updatelens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     data_root, model_corpus, registry = shared_options()

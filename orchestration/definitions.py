@@ -7,6 +7,7 @@ import dagster as dg
 
 from updatelens.assets.pipeline import ASSETS, PER_MODEL_ASSETS
 from updatelens.assets.resources import UpdateLensResource, default_settings
+from updatelens.memory import limit_malloc_arenas
 from updatelens.orchestration.deployments import Profile, active_profile, executor_for
 from updatelens.orchestration.jobs import JOBS
 from updatelens.orchestration.schedules import stale_partitions_schedule
@@ -16,6 +17,7 @@ __all__ = ["ASSETS", "build_defs", "defs"]  # ASSETS: what the tests materialize
 
 
 def build_defs(profile: Profile) -> dg.Definitions:
+    limit_malloc_arenas()  # the run workers the UI starts load this first (updatelens.memory)
     return dg.Definitions(
         assets=[*ASSETS, *PER_MODEL_ASSETS],
         jobs=JOBS,

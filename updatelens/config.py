@@ -142,12 +142,12 @@ class AnalysisConfig:
     # 8: measured fastest on SmolLM2, CPU
     patch_batch: int = setting(8, minimum=1, help="rows (variant x sequence) per patched forward pass (batching only)")
     # the functional stage's memory is block x seq_len x vocabulary x 4 bytes, whatever n_seq, the block
-    # being kl_block capped by kl_budget_mb (SmolLM2: 10 x 128 x 49,152 x 4 bytes = 240 MiB)
+    # being kl_block capped by kl_budget_mb (SmolLM2: 8 x 128 x 49,152 x 4 bytes = 192 MiB)
     kl_block: int = setting(16, minimum=1, help="sequences whose unpatched distributions are held at once")
     # a 262,144-token vocabulary (Gemma) makes one 128-token sequence 128 MiB of float32
-    # log-probabilities, so its block is 2 sequences (`kl_block_size`; SmolLM2's 10), which keeps Gemma's
-    # default job within its 3 GiB memory target
-    kl_budget_mb: int = setting(256, minimum=1, help="... and at most this many MiB of them")
+    # log-probabilities, so its block is 1 sequence (`kl_block_size`; SmolLM2's 8): with 2 (256 MiB) the
+    # Gemma default job's functional stage peaked at 3.07 GiB, above its 3 GiB target
+    kl_budget_mb: int = setting(192, minimum=1, help="... and at most this many MiB of them")
     # execution
     capture_batch: int = setting(8, minimum=1, help="sequences per captured forward pass (batching only)")
     device: str = setting("cpu", help="cpu or cuda[:i]")

@@ -93,8 +93,8 @@ def test_the_code_locations_settings_come_from_updatelens_settings(monkeypatch: 
 
 def test_the_kl_block_is_sized_from_the_vocabulary() -> None:
     cfg = AnalysisConfig()
-    assert cfg.kl_block_size(49_152) == 10  # SmolLM2: 24 MiB a sequence, 256 MiB budget
-    assert cfg.kl_block_size(262_144) == 2  # Gemma 3: 128 MiB a sequence
+    assert cfg.kl_block_size(49_152) == 8  # SmolLM2: 24 MiB a sequence, 192 MiB budget
+    assert cfg.kl_block_size(262_144) == 1  # Gemma 3: 128 MiB a sequence
     assert cfg.replace(kl_budget_mb=1).kl_block_size(262_144) == 1
     assert cfg.replace(kl_budget_mb=64).config_id == cfg.config_id  # batching, not results
 
