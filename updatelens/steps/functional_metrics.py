@@ -358,7 +358,7 @@ def functional_bootstrap_table(fm: pa.Table, cfg: AnalysisConfig, prov: Provenan
         null_rel, null_norm = _replicate_spearman(own_random, counts)
         ratio = np.full(len(counts), np.nan)
         later = {k: np.full(len(counts), np.nan) for k in LATER_STATISTICS}
-        if len(own) and "kl_later" in own.column_names:
+        if len(own):
             kl_later, kl_later_random = (own[k].to_numpy(zero_copy_only=False) for k in ("kl_later", "kl_later_random"))
             for start, w in row_weights(counts, own["seq"].to_numpy()):
                 for k, v in later_statistics(kl_later.astype(np.float64), kl_later_random.astype(np.float64), w).items():
