@@ -44,7 +44,8 @@ SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MODEL_SOURCES = ("embedded", "local", "hub")
 CORPUS_SOURCES = ("embedded", "text", "hub")
 # The repository's registry (the file users edit; the registry sensor watches it) where the package
-# runs from a checkout; an installed package falls back to the copy it carries (the embedded entries).
+# runs from a checkout; an installed package falls back to the same file, which it carries
+# (updatelens/default_registry.toml is a link to registry/registry.toml: one file).
 REPO_REGISTRY = Path(__file__).resolve().parent.parent / "registry" / "registry.toml"
 PACKAGED_REGISTRY = Path(__file__).resolve().parent / "default_registry.toml"
 
