@@ -11,8 +11,8 @@ import dagster as dg
 import pyarrow as pa
 
 from updatelens.assets import checks
-from updatelens.assets.common import Finished, Written, each_model, finish, stage_asset
-from updatelens.assets.resources import UpdateLensResource
+from updatelens.assets.common import Finished, Written, each_model, finish, run_going, run_store, stage_asset
+from updatelens.assets.resources import UpdateLensResource, release_models
 from updatelens.capture import capture_batches, self_first_layers
 from updatelens.linear_control import made_controls
 from updatelens.preflight import check_data_root
@@ -22,9 +22,9 @@ from updatelens.steps.activations import activation_rows, held_out_maps, provena
 @stage_asset
 def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
     cfg = lens.config()
-    store = lens.store
+    store = run_store(context, lens.store)
     check_data_root(store.root)
-    for name in store.clean_abandoned_staging():
+    for name in store.clean_abandoned_staging(run_going(context.instance)):
         context.log.info(f"removed staging dir {name} left by a crashed run")
     written = Written()
     valid: dict[str, checks.Verdict] = {}
@@ -73,6 +73,8 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
         for layer, verdict in checks.check_against_hidden_states(lm, sample.input_ids, heads, lens.checks).items():
             matches[f"{model}:{layer:02d}"] = verdict
         d_model = lm.d_model
+        del lm
+    release_models()  # the stages until the patched passes need no model
     return finish(store, cfg, written, extra={"d_model": d_model}, outcomes=[
         checks.Outcome("activations", "activations_valid", valid, lens.checks),
         checks.Outcome("activations", "activations_match_hidden_states", matches, lens.checks),

@@ -21,15 +21,41 @@ from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
 from updatelens.memory import release_free_memory
-from updatelens.stages import BY_NAME, STAGE_OF_TABLE, upstream
+from updatelens.stages import BY_NAME, STAGE_NAMES, STAGE_OF_TABLE, upstream
 from updatelens.steps.geometry import BlockReader
 from updatelens.steps.layer import LayerData, Transition, layer_data, transition_from_parts
 from updatelens.steps.local_fits import fits_from_table
 from updatelens.storage.integrity import partition_error
 from updatelens.storage.layout import read_file, read_schema
-from updatelens.storage.store import Partition, Store
+from updatelens.storage.location import url
+from updatelens.storage.store import Partition, RunScope, Store
 from updatelens.tables import PROVENANCE_COLUMNS
 from updatelens.versions import stage_version
+
+
+def run_stages(context: dg.AssetExecutionContext) -> tuple[str, ...]:
+    """The stages this step's run materializes, in the pipeline's order (its asset selection where it
+    records one, else the assets its job executes: `materialize` records an empty selection)."""
+    keys = context.run.asset_selection or context.job_def.asset_layer.selected_asset_keys
+    names = {key.to_user_string() for key in keys}
+    return tuple(stage for stage in STAGE_NAMES if stage in names)
+
+
+def run_store(context: dg.AssetExecutionContext, store: Store) -> Store:
+    """The data root as this step's run sees it: the tables of the run's stages are staged and read back
+    from the run's staging folder, and the last of the run's stages to finish swaps them into place
+    (`finish`); a run that stops before leaves the stored partitions as they were (storage.staging)."""
+    return store.for_run(RunScope(context.run.run_id, run_stages(context), context.asset_key.to_user_string()))
+
+
+def run_going(instance: dg.DagsterInstance) -> Callable[[str], bool | None]:
+    """run id -> whether the instance has it going (True: starting or started; a run's steps may be
+    separate processes, its staging folder is kept between them), over (False), or does not know it (None)."""
+    def going(run_id: str) -> bool | None:
+        run = instance.get_run_by_id(run_id)
+        return None if run is None else not run.is_finished
+
+    return going
 
 
 class StaleInputError(RuntimeError):
@@ -109,7 +135,8 @@ class Written:
     """What a stage wrote in this run, per partition, for the UI's metadata."""
 
     rows: dict[str, int] = field(default_factory=dict)  # table -> rows written in this run
-    paths: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # where each partition is once the run commits
+    files: list[str] = field(default_factory=list)  # where each was written (the run's staging folder)
     per_partition: dict[str, dict[str, object]] = field(default_factory=dict)  # key -> figures
 
     def add(self, part: Partition, table: pa.Table) -> pa.Table:
@@ -123,6 +150,7 @@ class Written:
         without reading it back."""
         self.rows[part.table] = self.rows.get(part.table, 0) + rows
         self.paths.append(part.url)
+        self.files.append(url(part.file))
         figures = self.per_partition.setdefault(f"{part.model}:{part.layer:02d}", {})
         figures[f"rows_{part.table}"] = rows
         figures.setdefault("parquet_path", part.relative)  # within the data root: right after a move or copy
@@ -290,7 +318,12 @@ class Finished:
 
 def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None,
            outcomes: list[checks.Outcome] | None = None) -> Finished:
-    store.refresh()
+    """The stage's materialization. The run's last stage to finish first swaps what the run staged into
+    place and refreshes the catalog's views (an earlier stage changed nothing they show)."""
+    schema = column_schema(written.files[0], next(iter(written.rows)), cfg)  # read where it was written
+    if store.stage_done():  # the run's last stage to finish (or no run): swap its partitions in
+        store.commit()
+        store.refresh()
     release_free_memory()  # the stage's working memory back to the system before the next (updatelens.memory)
     # one partition: its file; several: the table folder they live under; within the data root (a moved or
     # copied root keeps it right)
@@ -306,7 +339,7 @@ def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str,
         # the DuckDB views of the stage's tables (updatelens sql, the catalog file) and the main one's columns
         "dagster/table_name": next(iter(written.rows)),
         "duckdb_views": ", ".join(written.rows),
-        "dagster/column_schema": column_schema(written.paths[0], next(iter(written.rows)), cfg),
+        "dagster/column_schema": schema,
     }
     for name, n in written.rows.items():
         metadata[f"rows_{name}"] = n

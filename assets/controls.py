@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from updatelens.assets import checks
-from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, stage_asset
+from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, run_store, stage_asset
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.config import LOCAL_CLASSES
 from updatelens.linear_control import made_controls
@@ -40,7 +40,7 @@ def log_for(context: dg.AssetExecutionContext, model: str, message: str) -> None
 @stage_asset
 def controls(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
     cfg = lens.config()
-    store = lens.store
+    store = run_store(context, lens.store)
     written = Written()
     verdicts: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, store):

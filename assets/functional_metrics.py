@@ -21,12 +21,13 @@ from updatelens.assets.common import (
     check_upstream,
     each_model,
     finish,
+    run_store,
     sample_index,
     stage_asset,
     stored_activations,
     stored_fits,
 )
-from updatelens.assets.resources import UpdateLensResource
+from updatelens.assets.resources import UpdateLensResource, release_models
 from updatelens.capture import block_output_is_tuple
 from updatelens.models import LoadedModel
 from updatelens.perturbation import OriginalOutput, original_output
@@ -43,7 +44,7 @@ from updatelens.tables import Provenance
 @stage_asset
 def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
     cfg = lens.config()
-    store = lens.store
+    store = run_store(context, lens.store)
     written = Written()
     verdicts: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, store):
@@ -75,6 +76,8 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
             verdict = checks.check_functional(stored_fm, stored_fs, lens.checks)
             verdict.merge(identity.verdicts[layer])
             verdicts[f"{model}:{layer:02d}"] = verdict
+        del lm, identity
+    release_models()  # before the commit and the catalog's refresh
     return finish(store, cfg, written, outcomes=[
         checks.Outcome("functional_metrics", "functional_valid", verdicts, lens.checks)])
 

@@ -17,6 +17,7 @@ from updatelens.assets.common import (
     check_upstream,
     each_model,
     finish,
+    run_store,
     seq_blocks,
     stage_asset,
 )
@@ -30,7 +31,7 @@ from updatelens.tables import Provenance, to_matrix
 @stage_asset
 def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
     cfg = lens.config()
-    store = lens.store
+    store = run_store(context, lens.store)
     written = Written()
     verdicts: dict[str, checks.Verdict] = {}
     for model, layers in each_model(context, store):

@@ -6,7 +6,16 @@ the partition is written class by class in row groups."""
 import dagster as dg
 
 from updatelens.assets import checks
-from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, read_transition, stage_asset
+from updatelens.assets.common import (
+    Finished,
+    Written,
+    check_upstream,
+    each_model,
+    finish,
+    read_transition,
+    run_store,
+    stage_asset,
+)
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.steps.local_fits import layer_neighbours, stream_fits
 from updatelens.tables import Provenance
@@ -15,7 +24,7 @@ from updatelens.tables import Provenance
 @stage_asset
 def local_fits(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
     cfg = lens.config()
-    store = lens.store
+    store = run_store(context, lens.store)
     written = Written()
     verdicts: dict[str, checks.Verdict] = {}
     audits: dict[str, checks.Verdict] = {}

@@ -7,7 +7,17 @@ import numpy as np
 import pyarrow.compute as pc
 
 from updatelens.assets import checks
-from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, read_block, seq_blocks, stage_asset
+from updatelens.assets.common import (
+    Finished,
+    Written,
+    check_upstream,
+    each_model,
+    finish,
+    read_block,
+    run_store,
+    seq_blocks,
+    stage_asset,
+)
 from updatelens.assets.resources import UpdateLensResource
 from updatelens.steps.residuals import residuals_table
 from updatelens.storage.integrity import partition_error
@@ -20,7 +30,7 @@ SCALARS = ["fn_class", "seq", "pos", "rel_err", "norm_full", "norm_tok", "norm_r
 @stage_asset
 def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
     cfg = lens.config()
-    store = lens.store
+    store = run_store(context, lens.store)
     written = Written()
     recon: dict[str, checks.Verdict] = {}
     bounds: dict[str, checks.Verdict] = {}
@@ -32,7 +42,7 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fi
             check_upstream(store, "local_fits", model, layer, cfg)
             key = f"{model}:{layer:02d}"
             target = store.partition("residuals", model, layer)
-            previous = _previous_quantiles(target, cfg.config_id)
+            previous = _previous_quantiles(target.committed, cfg.config_id)
             n_kept = 0
             with target.writer() as sink:
                 for lo, hi in seq_blocks(cfg):

@@ -7,6 +7,7 @@ source of truth for names and defaults); the launchpad shows them under `resourc
 from __future__ import annotations
 
 import dataclasses
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from updatelens.analysis import held_out_sample, model_sample
 from updatelens.assets.checks import CheckSettings
 from updatelens.config import AnalysisConfig, field_help, json_object_env
 from updatelens.corpus import Sample
+from updatelens.memory import release_free_memory
 from updatelens.models import LoadedModel, load_model, recorded_revision
 from updatelens.registry import DEFAULT_CORPUS, get_corpus, get_model, registry_path
 from updatelens.storage.location import as_root, default_data_root
@@ -46,6 +48,16 @@ AnalysisSettings = pydantic.create_model(
 )
 
 _MODEL_CACHE: dict[tuple[str, str, str | None], LoadedModel] = {}
+
+
+def release_models() -> None:
+    """Drop the loaded model and hand its memory back (updatelens.memory): a step that has made its
+    forward passes calls it before the work after them (the catalog's refresh, the stages that need no
+    model), so the weights (1 GiB for Gemma 3 270M) are not held through them. The next step that needs
+    the model loads it again (seconds)."""
+    _MODEL_CACHE.clear()
+    gc.collect()
+    release_free_memory()
 
 
 SETTINGS_ENV = "UPDATELENS_SETTINGS"

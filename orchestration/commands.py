@@ -118,6 +118,7 @@ def _settings(args: argparse.Namespace) -> dict[str, object]:
 def cmd_run(args: argparse.Namespace) -> int:
     import dagster as dg
 
+    from updatelens.assets.common import run_going
     from updatelens.config import preset_layers
     from updatelens.errors import UpdateLensError
     from updatelens.orchestration.deployments import PROFILE_ENV, active_profile
@@ -155,8 +156,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     os.environ[PROFILE_ENV] = profile.name  # the run processes and their workers build the same executor
     os.environ["DAGSTER_HOME"] = str(project_dagster_home(lens.data_root))
-    for name in lens.store.clean_abandoned_staging():  # whatever the run then skips as up to date
-        print(f"removed staging {name} left by a crashed run")
+    with dg.DagsterInstance.get() as instance:  # what killed runs left, before the plan reads the root
+        for run_id in release_dead_runs(instance):
+            print(f"run {run_id} was killed before it ended: marked failed, its pool slot freed", flush=True)
+        for name in lens.store.clean_abandoned_staging(run_going(instance)):
+            print(f"removed staging {name} left by a crashed run")
     wanted = layers or (preset_layers(args.preset, report.n_layers) if args.preset else list(range(report.n_layers)))
     other = _other_weights(lens, args.model, report.revision, wanted)
     if other:
@@ -170,8 +174,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     checks: list[tuple[str, bool, str]] = []  # (asset.check, passed, description)
     failures: list[str] = []
     with dg.DagsterInstance.get() as instance:  # entering makes it the current instance for Dagster
-        for run_id in release_dead_runs(instance):
-            print(f"run {run_id} was killed before it ended: marked failed, its pool slot freed", flush=True)
         if profile.per_layer_runs and todo:
             from updatelens.orchestration.distributed import materialize_layers_distributed
 

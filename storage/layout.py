@@ -9,6 +9,9 @@ with two renames on the same filesystem (old -> staging, new -> final). A reader
 mix or a truncated file; a crash between the renames leaves the partition absent (and the next
 run redoes it), never half-written.
 
+A run stages its partitions in its own folder and swaps them in at its end (storage.staging): a run
+that stops midway leaves the stored partitions as they were.
+
 Object store: there is no rename, but a single object is atomic (a PUT or a server-side COPY
 becomes visible whole or not at all). A partition is one object: it is written to a local temp
 file, uploaded to a temporary key `<root>/_staging/<uuid>/...`, then committed by a server-side
@@ -27,7 +30,6 @@ import hashlib
 import os
 import shutil
 import tempfile
-import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -38,7 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from upath import UPath
 
-from updatelens.storage.integrity import MANIFEST, PART_FILE, partition_error, quarantine, write_manifest
+from updatelens.storage.integrity import MANIFEST, PART_FILE, layer_of, partition_error, quarantine, write_manifest
 from updatelens.storage.location import RootLike, as_root, is_local, key_value, local_path, url
 
 # a local path or an object-store one (storage.location.as_root makes either a UPath)
@@ -151,11 +153,13 @@ def _install(root: UPath, staging: PathLike, final: PathLike) -> None:
         os.rename(new, target)
         _fsync_dir(target.parent)
         return
-    # judged where they stand: the run's staleness check has usually verified them already
-    damaged = {f.name: reason for f in target.glob("*.parquet") if (reason := partition_error(f))}
+    # judged where they stand: the run's staleness check has usually verified them already (a partition's
+    # folder only: a sweep's run record or a report is no partition, and was judged one)
+    damaged = ({f.name: reason for f in target.glob("*.parquet") if (reason := partition_error(f))}
+               if layer_of(target.name) is not None else {})
     if _exchange(new, target):  # one atomic step: `staging` now holds the old folder
         old = new
-    else:  # two renames; a crash between them leaves `final` absent until clean_abandoned_staging
+    else:  # two renames; a crash between them leaves `final` absent until staging.clean_abandoned_staging
         old = Path(str(root / STAGING)) / f"{os.getpid()}-{uuid.uuid4().hex}.old"
         old.parent.mkdir(parents=True, exist_ok=True)
         (old.parent / f"{old.name}{TARGET_SUFFIX}").write_text(str(target))
@@ -204,10 +208,12 @@ def publish_dir(root: PathLike, final: PathLike, fill: Callable[[Path], None]) -
 
 @contextmanager
 def partition_writer(root: RootLike, table_name: str, model: str, layer: int,
-                     validate: Callable[[pa.Table], None] | None = None) -> Iterator[ParquetSink]:
+                     validate: Callable[[pa.Table], None] | None = None,
+                     base: RootLike | None = None) -> Iterator[ParquetSink]:
     """Write one partition incrementally (`sink.write(rows)` per batch); it is committed whole when
-    the block exits normally, and never appears if it fails. Memory: one batch at a time."""
-    final = partition_dir(root, table_name, model, layer)
+    the block exits normally, and never appears if it fails. Memory: one batch at a time. Under
+    `base` (a run's staging folder, storage.staging) where given, else in its place under the root."""
+    final = partition_dir(base or root, table_name, model, layer)
     with staged_dir(root, final) as staging:
         sink = ParquetSink(staging / PART_FILE, table_name, (model, layer), validate)
         yield sink
@@ -289,80 +295,13 @@ def read_seq_range(path: PathLike, lo: int, hi: int, columns: list[str] | None =
 
 
 def write_partition(root: RootLike, table_name: str, model: str, layer: int, table: pa.Table,
-                    validate: Callable[[pa.Table], None] | None = None) -> UPath:
-    """Replace one partition whole (`validate` called on the table first); returns the final file path."""
-    final = partition_dir(root, table_name, model, layer)
+                    validate: Callable[[pa.Table], None] | None = None, base: RootLike | None = None) -> UPath:
+    """Replace one partition whole (`validate` called on the table first; under `base`, a run's staging
+    folder, where given); returns the file's path."""
+    final = partition_dir(base or root, table_name, model, layer)
     publish_dir(root, final, lambda staging: _write_parquet(table, staging / PART_FILE, table_name, (model, layer),
                                                             validate))
     return final / PART_FILE
-
-
-def clean_abandoned_staging(root: RootLike) -> list[str]:
-    """Remove what a crashed writer left anywhere under the root: the staging dirs of the main tables
-    and of every family root (each sweep configuration, each convergence size), and sweeps computed
-    out of sight whose process is gone (`next_sweep_root`); locally those whose process is gone, on an
-    object store those older than STALE_STAGING_S. Returns their names."""
-    root = as_root(root)
-    if not is_local(root):
-        root.fs.invalidate_cache()
-    families = [root, *sorted(root.glob(f"{SWEEPS}/config=*"), key=str),
-                *sorted(root.glob(f"{CONVERGENCE}/n_seq=*"), key=str)]
-    removed = [name for family in families for name in _clean_staging(family)]
-    for staged in sorted(root.glob(f"{SWEEPS}/{NEXT_SWEEP}/*"), key=str):
-        pid = staged.name.split("-", 1)[0]
-        alive = _alive(int(pid)) if pid.isdigit() and is_local(root) else not is_local(root)
-        if not alive:  # a sweep in progress on an object store is not told from an abandoned one: kept
-            remove_next_sweep(root, staged)
-            removed.append(f"{SWEEPS}/{NEXT_SWEEP}/{staged.name}")
-    return removed
-
-
-def _clean_staging(root: RootLike) -> list[str]:
-    """The abandoned staging dirs of one root (the main tables' or a family's)."""
-    root = as_root(root)
-    removed: list[str] = []
-    if not is_local(root):
-        fs = root.fs
-        staging = root / STAGING
-        if not fs.exists(staging.path):
-            return removed
-        newest: dict[str, float] = {}
-        for key, info in fs.find(staging.path, detail=True).items():
-            name = key[len(staging.path) + 1:].split("/", 1)[0]
-            modified = info.get("LastModified")
-            stamp = modified.timestamp() if modified is not None else time.time()
-            newest[name] = max(newest.get(name, 0.0), stamp)
-        for name, stamp in newest.items():
-            if time.time() - stamp > STALE_STAGING_S:
-                fs.rm((staging / name).path, recursive=True)
-                removed.append(name)
-        return removed
-    for entry in sorted((root / STAGING).glob("*"), key=lambda p: p.name.endswith(TARGET_SUFFIX)):
-        pid = entry.name.split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)) or not (entry.exists() or entry.is_symlink()):
-            continue  # a live writer's, or a marker already handled with its folder
-        marker = entry.parent / f"{entry.name}{TARGET_SUFFIX}"
-        if marker.exists():  # a folder its writer moved aside and never replaced: put it back
-            target = Path(marker.read_text())
-            if not target.exists() and entry.exists():
-                os.rename(local_path(entry), local_path(target))
-            marker.unlink(missing_ok=True)
-        if entry.is_dir():
-            shutil.rmtree(local_path(entry), ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
-        removed.append(entry.name)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def lock_dir(root: RootLike) -> Path:
@@ -404,10 +343,16 @@ def partition_locks(root: RootLike, model: str, layers: Iterable[int]) -> Iterat
         yield
 
 
-def existing_partition_file(root: RootLike, table_name: str, model: str, layer: int) -> UPath:
-    """A partition's file; FileNotFoundError naming the partition when it is not there."""
-    path = partition_file(root, table_name, model, layer)
+def existing_partition_file(root: RootLike, table_name: str, model: str, layer: int,
+                            base: RootLike | None = None) -> UPath:
+    """A partition's file (under `base`, a run's staging folder, where given); FileNotFoundError naming
+    the partition when it is not there."""
+    path = partition_file(base or root, table_name, model, layer)
     if not path.exists():
+        if base is not None:
+            raise FileNotFoundError(f"{table_name} for model={model} layer={layer} was staged by this run at "
+                                    f"{url(path)} and is gone (its staging folder was removed while the run "
+                                    "went on); rerun")
         raise FileNotFoundError(f"{table_name} for model={model} layer={layer} is not materialized "
                                 f"({url(path)}); materialize the upstream asset first")
     return path

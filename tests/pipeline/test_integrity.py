@@ -190,8 +190,8 @@ def test_a_change_to_one_stages_code_reruns_that_stage_alone(
 
 def test_a_report_on_a_layer_of_two_configurations_names_it_and_does_not_crash(
         stored: tuple[UpdateLensResource, dg.DagsterInstance]) -> None:
-    """A run with other settings that stops between its stages leaves a layer whose tables come from two
-    configurations (the product can produce this root itself): the report builds and says so."""
+    """A layer whose tables come from two configurations (what a run stopped between its stages left
+    before runs staged their partitions, and what a partial copy leaves): the report builds and says so."""
     import pyarrow as pa
 
     from updatelens.storage.layout import read_file, write_partition
@@ -204,3 +204,46 @@ def test_a_report_on_a_layer_of_two_configurations_names_it_and_does_not_crash(
     notes = build_model_report(lens.root, MODEL).notes
     assert any(n.startswith("Layer 1: its tables come from different runs") and "0123456789ab (1 tables)" in n
                for n in notes), notes
+
+
+def test_a_run_that_fails_in_its_last_stage_leaves_every_stored_partition_as_it_was(
+        stored: tuple[UpdateLensResource, dg.DagsterInstance], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage, then swap: a run with other settings fails in its last stage, after its earlier stages
+    wrote their tables; every stored file and view is as before (no layer left mixed), the run's staging
+    folder is removed by the next clean once the run is over, and the next run recomputes both layers."""
+    import hashlib
+
+    import updatelens.assets.functional_metrics as functional
+    from updatelens.assets.common import run_going
+    from updatelens.stages import STAGE_NAMES
+    from updatelens.storage.layout import STAGING
+    from updatelens.storage.staging import RUN_PREFIX
+    from updatelens.storage.store import Store
+
+    lens, instance = stored
+    root = Path(lens.data_root)
+
+    def files() -> dict[str, str]:
+        return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(root.glob("*/model=*/layer=*/*")) if STAGING not in p.parts}
+
+    before = files()
+    summary = catalog.query(lens.root, "SELECT * FROM layer_summary ORDER BY layer, fn_class")
+
+    def planted(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("planted failure in the patched passes")
+
+    monkeypatch.setattr(functional, "stream_functional", planted)
+    other = UpdateLensResource(data_root=lens.data_root, registry=lens.registry,
+                               analysis=AnalysisSettings(**{**SETTINGS, "seed": 7}))
+    result = materialize_model(MODEL, other, instance, layers=[0, 1], log_level="WARNING", raise_on_error=False)
+    assert not result.success
+    ran = {event.asset_key.path[-1] for event in result.get_asset_materialization_events()}
+    assert ran == set(STAGE_NAMES) - {"functional_metrics"}  # the earlier stages wrote, into the run's folder
+    assert files() == before
+    assert catalog.query(lens.root, "SELECT * FROM layer_summary ORDER BY layer, fn_class").equals(summary)
+    staged = list((root / STAGING).glob(f"{RUN_PREFIX}*"))
+    assert [p.name for p in staged] == [f"{RUN_PREFIX}{result.run_id}"]
+    assert Store.open(root).clean_abandoned_staging(run_going(instance)) == [staged[0].name]
+    assert stale_layers(other, MODEL, [0, 1]) == {0: list(STAGE_NAMES), 1: list(STAGE_NAMES)}
+    assert stale_layers(lens, MODEL, [0, 1]) == {}

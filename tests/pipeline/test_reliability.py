@@ -182,10 +182,11 @@ def cli(args: list[str], home: Path, fault: str | None = None) -> subprocess.Pop
 def test_sigkill_mid_write_before_the_manifest_and_mid_replace_leave_only_verified_files(
         zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """Killed while a partition's data file is half-written, and after it is complete but before its
-    manifest: the partition never appears. Killed while replacing a partition (the new one swapped
-    in atomically, the old one not yet removed): the new partition is whole, the old one left in
-    staging until the next run cleans it. Every file readers see verifies, queries keep answering,
-    and the next run completes."""
+    manifest: the partition never appears, nor does any table of the run's earlier stages (stage, then
+    swap: they wait in the run's folder). Killed while the run's partitions are swapped in (geometry's
+    new folder in place, its old one not yet removed, the tables after it not yet swapped): every
+    partition is whole, and the next run finishes the swap. Every file readers see verifies, queries
+    keep answering, and the next run completes."""
     root = tmp_path / "data"
     args = ["run", "--registry", str(zoo), "--data-root", str(root), "--model", "tiny-gpt2", *SMALL, *NO_REPORT]
     killed = cli(args, tmp_path / "home", "mid_write")
@@ -195,8 +196,9 @@ def test_sigkill_mid_write_before_the_manifest_and_mid_replace_leave_only_verifi
     assert not (root / "geometry").exists()  # the partial file is not where readers look
     for path in parquet_files(root):  # everything visible is whole
         pq.read_table(path)
-    # the stages before the killed one are whole (local_fits precedes geometry; residuals need not)
-    assert catalog.query(root, "SELECT count(*) AS n FROM local_fits")["n"][0] == 3 * 2 * 6 * 15
+    # the stages before the killed one wrote whole partitions, into the run's folder, not in place
+    assert len(list((root / STAGING).glob("run-*/local_fits/model=tiny-gpt2/layer=*/part-0.parquet"))) == 3
+    assert not (root / "local_fits").exists() and not (root / "activations").exists()
 
     killed = cli(args, tmp_path / "home", "before_manifest")  # the rerun computes what is missing: geometry on
     killed.communicate(timeout=300)
@@ -218,7 +220,8 @@ def test_sigkill_mid_write_before_the_manifest_and_mid_replace_leave_only_verifi
     assert replaced.returncode == -9
     layers = catalog.query(root, "SELECT DISTINCT layer FROM geometry ORDER BY layer")["layer"].to_list()
     assert len(layers) == 3  # never absent: the old partition or the new one, whole
-    assert list((root / STAGING).iterdir())  # the old folder, left by the killed writer
+    assert list((root / STAGING).iterdir())  # the old folder, left by the killed writer, and the run's folder
+    assert list((root / STAGING).glob("run-*/commit.json"))  # the swap's list: the next run finishes it
     assert catalog.query(root, "SELECT count(*) AS n FROM damaged_partitions")["n"][0] == 0
     assert catalog.query(root, "SELECT count(*) AS n FROM local_fits")["n"][0] == 3 * 2 * 6 * 15
     final = cli(args, tmp_path / "home")

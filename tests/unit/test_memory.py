@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +86,23 @@ print(before - rss(), before)
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     returned, held = map(int, done.stdout.split())
     assert held > 150 * 2**20 and returned > 150 * 2**20  # the holes were held after free(), and the trim returned them
+
+
+def test_a_released_model_is_gone_from_memory(zoo: Path, tmp_path: Path) -> None:
+    """The model the stages load stays cached for the next step until a step that has made its forward
+    passes releases it: then nothing holds it (the weights' memory goes back before the work after)."""
+    import gc
+    import weakref
+
+    from updatelens.assets import resources
+    from updatelens.assets.resources import UpdateLensResource, release_models
+
+    lens = UpdateLensResource(data_root=str(tmp_path / "data"), registry=str(zoo))
+    lm = lens.load("tiny-gpt2")
+    held = weakref.ref(lm.model)
+    assert lens.load("tiny-gpt2") is lm  # cached between steps
+    del lm
+    gc.collect()
+    assert held() is not None and resources._MODEL_CACHE
+    release_models()
+    assert held() is None and not resources._MODEL_CACHE

@@ -17,7 +17,6 @@ from updatelens.storage import catalog
 from updatelens.storage.integrity import partition_error, quarantine
 from updatelens.storage.layout import (
     STAGING,
-    clean_abandoned_staging,
     delete_partition,
     has_files,
     partition_file,
@@ -26,6 +25,7 @@ from updatelens.storage.layout import (
     write_partition,
 )
 from updatelens.storage.location import as_root, is_local, url
+from updatelens.storage.staging import clean_abandoned_staging
 from updatelens.storage.store import Store
 
 

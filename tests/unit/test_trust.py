@@ -18,12 +18,12 @@ from updatelens.storage.integrity import MANIFEST, QUARANTINE, partition_error, 
 from updatelens.storage.layout import (
     STAGING,
     TARGET_SUFFIX,
-    clean_abandoned_staging,
     partition_dir,
     partition_file,
     staged_dir,
     write_partition,
 )
+from updatelens.storage.staging import clean_abandoned_staging
 
 
 def rows(layer: int, n: int = 4, model: str = "m", config: str = "c1") -> pa.Table:
@@ -493,15 +493,10 @@ def test_damage_that_verify_found_is_remembered_left_out_and_forgotten_once_the_
 def test_staging_left_by_a_killed_process_is_cleaned_everywhere_under_the_root(tmp_path: Path) -> None:
     """The main tables' staging, every sweep configuration's and convergence size's, and a sweep computed
     out of sight (sweeps/_next/...): what a dead process left goes, a live process's stays."""
-    from updatelens.storage.layout import clean_abandoned_staging
+    from tests.processes import dead_pid
+    from updatelens.storage.staging import clean_abandoned_staging
 
-    dead = 2**22 + 12345  # above the default pid_max: no such process
-    while True:
-        try:
-            os.kill(dead, 0)
-            dead += 1
-        except ProcessLookupError:
-            break
+    dead = dead_pid()
     left = [tmp_path / "_staging" / f"{dead}-a", tmp_path / "sweeps" / "config=abc" / "_staging" / f"{dead}-b",
             tmp_path / "convergence" / "n_seq=4" / "_staging" / f"{dead}-c", tmp_path / "sweeps" / "_next" / f"{dead}-d"]
     live = [tmp_path / "sweeps" / "config=abc" / "_staging" / f"{os.getpid()}-e",
