@@ -16,10 +16,15 @@ before the fault (Parquet tables compared whole). The faults:
   partition, the token text deleted, the catalog cut to 100 bytes, a killed writer's staging folder;
 - and, on a fresh root, each bad input to `run`: its message and whether anything was created;
 - a root's shape (`--only shape`): a second spelling of a partition key, a backup-named folder, a
-  partition folder replaced by a symbolic link (then its target damaged), a layer left with two
-  configurations by a killed run with other settings, the root copied and the original moved away;
+  partition folder replaced by a symbolic link (then its target damaged), a run with other settings
+  killed in its last stage (stage, then swap: the layer keeps its tables), the root copied and the
+  original moved away;
   a mistyped --data-root given to the reading commands and corpus files that are no text (a FIFO,
-  a device, a 2 GiB sparse file): each refused in one line, nothing created.
+  a device, a 2 GiB sparse file): each refused in one line, nothing created;
+- trust (`--only trust`): a run with other settings that fails in its last stage, the model's name
+  pointed at other weights, a report on a layer of two configurations, a bit flipped with the file's
+  mtime put back (found by `verify`, then left out and recomputed without --repair), a sweep rerun
+  killed mid-write, and bad settings and `sql --timeout` values given to the stored root.
 
 It also times `verify_root` over the whole root (what every run and view refresh pays) against
 the pipeline time given with --pipeline-s.
@@ -412,14 +417,18 @@ class Drill:
         return outcome
 
     def mixed_configuration(self) -> Outcome:
-        """A run of the target layer with other settings killed while it writes functional_summary: the
-        layer holds tables of two configurations; verify calls it incomplete, the next run redoes it."""
-        outcome = Outcome("mixed configurations", "functional_summary")
+        """A run of the target layer with other settings killed while it writes functional_summary, its last
+        stage: the run's partitions were staged, so the layer keeps its stored tables (before runs staged,
+        it was left with tables of two configurations); verify exits 0, the next run cleans up."""
+        outcome = Outcome("killed run, other settings", "functional_summary")
         rc, out = self.cli("run", "--model", self.model, "--layers", str(self.target), "--set", "k=32", *self.extra,
                            fault=("mid_write", "functional_summary"))
         if rc != -9:
             outcome.notes.append(f"the run was not killed (exit {rc}): {out[-500:]}")
-        self.named(outcome, "incomplete", f"layer={self.target}", "different runs")
+        vrc, vout = self.verify()
+        outcome.detected = rc == -9 and vrc == 0 and self.identical()[0]
+        outcome.detection = ("killed in its last stage; every stored partition as before, verify exits 0"
+                             if outcome.detected else vout[-300:])
         self.others(outcome, "geometry")
         self.repair(outcome)
         return outcome
@@ -449,6 +458,142 @@ class Drill:
         outcome.repair_rc = 0  # nothing to repair: the original is back where it was
         self.after(outcome)
         return outcome
+
+
+    # ---- round 4 (issue "Trust, round 4") -----------------------------------------------------
+    def late_failure(self) -> Outcome:
+        """A run of the target layer with other settings whose last stage fails after every earlier stage
+        wrote (bench.faults `fail_stage`): the run stages its partitions and swaps them in only at its end,
+        so nothing stored changes; the next run removes its staging folder."""
+        outcome = Outcome("late failure, other settings", "functional_metrics")
+        rc, out = self.cli("run", "--model", self.model, "--layers", str(self.target), "--set", "seed=7", *self.extra,
+                           fault=("fail_stage", "functional_metrics"))
+        said = [line for line in out.splitlines() if "planted failure" in line]
+        vrc, _ = self.verify()
+        outcome.detected = rc == 1 and bool(said) and vrc == 0 and self.identical()[0]
+        outcome.detection = (f"exit {rc}: {said[-1].strip()[:200]}; every stored partition as before, verify exits {vrc}"
+                             if said else out[-300:])
+        self.others(outcome, "geometry")
+        staged = [p.name for p in (self.root / STAGING).glob("run-*")]
+        outcome.notes.append(f"staging folders of the failed run before the next run: {staged}")
+        self.repair(outcome)  # up to date: the next run only removes the failed run's folder
+        return outcome
+
+    def other_weights(self) -> Outcome:
+        """The model's name pointed at other weights (the registry's entry of another shipped model): a run
+        of the target layer refuses in one line before anything is written, the root is unchanged."""
+        import tomllib
+
+        outcome = Outcome("other weights, same name", "every table")
+        text = (REPO / "registry" / "registry.toml").read_text()
+        other = next(slug for slug in tomllib.loads(text)["models"] if slug != self.model)
+        registry = self.root.parent / f"{self.root.name}-drill-registry.toml"
+        registry.write_text(text.replace(f"[models.{self.model}]", f"[models.{self.model}-was]")
+                                .replace(f"[models.{other}]", f"[models.{self.model}]"))
+        rc, out = self.cli("run", "--model", self.model, "--layers", str(self.target), "--registry", str(registry),
+                           *self.extra)
+        said = [line for line in out.splitlines() if line.startswith("updatelens run:")]
+        outcome.detected = rc == 2 and len(said) == 1 and "other weights" in said[0] and self.identical()[0]
+        outcome.detection = said[0].strip()[:300] if said else out[-300:]
+        self.others(outcome, "geometry")
+        registry.unlink()
+        self.repair(outcome)
+        return outcome
+
+    def mixed_report(self) -> Outcome:
+        """The target layer's geometry rewritten with another configuration id (a layer of two runs, as a
+        copy or an older version leaves it): `report` exits 0 and names the layer; the next run redoes it."""
+        import pyarrow as pa
+
+        from updatelens.storage.layout import write_partition
+
+        outcome = Outcome("report on a mixed layer", "geometry")
+        table = pq.read_table(self.file("geometry"))
+        write_partition(self.root, "geometry", self.model, self.target,
+                        table.set_column(table.schema.get_field_index("config_id"), "config_id",
+                                         pa.array(["0123456789ab"] * len(table))))
+        rc, out = self.cli("report", "--model", self.model)
+        pages = "".join(p.read_text(errors="replace") for p in self.root.glob("reports/**/*.html"))
+        named = f"Layer {self.target}: its tables come from different runs" in pages
+        outcome.detected = rc == 0 and named
+        outcome.detection = (f"report exit {rc}; the page says 'Layer {self.target}: its tables come from different "
+                             "runs'" if named else out[-300:])
+        self.others(outcome, "geometry")
+        self.repair(outcome)
+        return outcome
+
+    def damage_found_by_verify(self, table: str = "residuals") -> Outcome:
+        """A bit flipped below the file system (the file's mtime put back): served until `verify` hashes it;
+        from then on left out of the views and listed in damaged_partitions, and the next run recomputes it
+        without --repair."""
+        outcome = Outcome("bit flip, mtime kept", table)
+        path = self.file(table)
+        stat = path.stat()
+        with path.open("r+b") as f:
+            f.seek(stat.st_size // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x10]))
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        before = self.served_rows(table)
+        self.detect(outcome, table)
+        after = self.served_rows(table)
+        listed = catalog.query(self.root, "SELECT reason FROM damaged_partitions WHERE table_name = ? AND layer = ?",
+                               [table, self.target])
+        outcome.notes.append(f"rows of the layer served before verify: {before}, after: {after}; "
+                             f"damaged_partitions: {listed['reason'].to_list()}")
+        outcome.detected = outcome.detected and after == 0 and not listed.is_empty()
+        self.others(outcome, table)
+        self.repair(outcome)  # no --repair: the root remembers what verify found
+        return outcome
+
+    def sweep_cut_short(self) -> Outcome:
+        """A sweep rerun killed while it writes (bench.faults `mid_write` on its geometry): the previous sweep
+        is still served whole; the next run removes what the killed one left."""
+        outcome = Outcome("sweep rerun killed", "sensitivity")
+        sweep = ["sweep", "--model", self.model, "--layers", str(self.target), "--grid", '{"k": [32]}']
+        rc, out = self.cli(*sweep)
+        if rc != 0:
+            outcome.notes.append(f"the first sweep failed (exit {rc}): {out[-800:]}")
+            return outcome
+        query = "SELECT * FROM sensitivity WHERE model = ? ORDER BY ALL"
+        served = catalog.query(self.root, query, [self.model])
+        rc, out = self.cli(*sweep, fault=("mid_write", "geometry"))
+        now = catalog.query(self.root, query, [self.model])
+        left = [str(p.relative_to(self.root)) for p in self.root.glob("sweeps/_next/*")]
+        outcome.detected = rc == -9 and len(served) > 0 and now.equals(served)
+        outcome.detection = (f"killed (exit {rc}); the previous sweep's {len(served)} sensitivity rows still served, "
+                             f"unchanged; left behind: {left}")
+        self.others(outcome, "geometry")
+        self.repair(outcome)  # the next run removes the killed sweep's folder
+        if list(self.root.glob("sweeps/_next/*")):
+            outcome.notes.append("the killed sweep's folder is still there")
+            outcome.identical = False
+        return outcome
+
+
+BAD_SETTINGS = (["--set", "seed=-1"], ["--set", "seed=1e23"], ["--set", "mlp_lr=-0.1"],
+                ["--set", "bootstrap=1000000000"], ["--set", "device=cuda"])
+BAD_TIMEOUTS = ("nan", "-1", "0", "inf")
+
+
+def bad_settings(drill: Drill) -> list[dict[str, object]]:
+    """Each bad setting given to a forced run of the drill's stored target layer, and each bad `sql
+    --timeout`: its exit, its one line, how long it took and whether any stored file changed."""
+    records = []
+    for args in BAD_SETTINGS:
+        start = time.perf_counter()
+        rc, out = drill.cli("run", "--model", drill.model, "--layers", str(drill.target), "--force", *args, *drill.extra)
+        said = [line for line in out.splitlines() if line.startswith("updatelens run:")]
+        records.append({"input": " ".join(args), "exit": rc, "message": said[-1] if said else out[-300:],
+                        "one_line": len(said) == 1, "seconds": round(time.perf_counter() - start, 1),
+                        "touched": not drill.identical()[0]})
+    for value in BAD_TIMEOUTS:
+        rc, out = drill.cli("sql", "--timeout", value, "SELECT 1")
+        lines = out.strip().splitlines()
+        records.append({"input": f"sql --timeout {value}", "exit": rc, "message": lines[-1] if lines else "",
+                        "one_line": len(lines) == 1, "touched": False})
+    return records
 
 
 BAD_INPUTS = (["--layers", "4-3"], ["--layers", "4-3,7"], ["--layers", ""], ["--layers", "99"],
@@ -531,6 +676,13 @@ def verify_overhead(root: Path, pipeline_s: float | None, repeats: int = 3) -> d
     return record
 
 
+def show(records: list[dict[str, object]], changed: str) -> None:
+    """One line per refused input: its exit, whether it said so in one line, whether it `changed` anything."""
+    for item in records:
+        print(f"{item['input']}: exit {item['exit']}, one line {item['one_line']}, {changed} {item[changed]}: "
+              f"{item['message']}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="where to write the drill's record (JSON)")
@@ -541,12 +693,13 @@ def main() -> int:
     parser.add_argument("--pipeline-s", type=float, help="the root's pipeline time, for the verification overhead")
     parser.add_argument("--only", help="comma-separated subset: overhead, inputs, files, kills, placement, disk, "
                                        "concurrent, shape (a root's shape: spellings, links, mixed runs, copies; "
-                                       "bad roots and corpora)")
+                                       "bad roots and corpora), trust (late failure, other weights, a report on a "
+                                       "mixed layer, damage found by verify, a sweep cut short, bad settings)")
     args, extra = parser.parse_known_args()  # anything else (--registry, --set, ...) goes to `updatelens run`
     first, _, last = args.layers.partition("-")
     layers = list(range(int(first), int(last or first) + 1))
     drill = Drill(args.data_root.resolve(), args.model, layers, args.target, extra)
-    only = set((args.only or "overhead,inputs,files,kills,placement,disk,concurrent,shape").split(","))
+    only = set((args.only or "overhead,inputs,files,kills,placement,disk,concurrent,shape,trust").split(","))
     drill.snapshot()
     record: dict[str, Any] = {"model": args.model, "layers": layers, "target": args.target}
     if "overhead" in only:
@@ -589,14 +742,20 @@ def main() -> int:
         done(drill.concurrent())
     if "shape" in only:
         record["bad_roots_and_corpora"] = bad_roots_and_corpora(drill)
-        for item in record["bad_roots_and_corpora"]:
-            print(f"{item['input']}: exit {item['exit']}, one line {item['one_line']}, created {item['created']}: "
-                  f"{item['message']}", flush=True)
+        show(record["bad_roots_and_corpora"], "created")
         done(drill.second_spelling())
         done(drill.backup_folder())
         done(drill.symlinked_partition())
         done(drill.mixed_configuration())
         done(drill.copied_root())
+    if "trust" in only:
+        record["bad_settings"] = bad_settings(drill)
+        show(record["bad_settings"], "touched")
+        done(drill.late_failure())
+        done(drill.other_weights())
+        done(drill.mixed_report())
+        done(drill.damage_found_by_verify())
+        done(drill.sweep_cut_short())
     bad = [o for o in outcomes if not o.ok]
     print(f"{len(outcomes) - len(bad)} of {len(outcomes)} faults detected and repaired; record in {args.out}")
     return 1 if bad else 0

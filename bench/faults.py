@@ -8,7 +8,9 @@ SIGKILL the process at FAULT while it writes a partition of TABLE:
 
 - `mid_write`: once the first half of the partition's first table reached the staging file;
 - `before_manifest`: the data file complete and fsynced, its manifest not yet written;
-- `mid_replace`: the new partition swapped in, the old folder not yet removed.
+- `mid_replace`: the new partition swapped in, the old folder not yet removed;
+- `fail_stage`: the stage named TABLE raises an error once it has read its inputs (a late failure:
+  the run's earlier stages have written their partitions by then; the process is not killed).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import signal
 import sys
 from typing import Any
 
-FAULTS = ("mid_write", "before_manifest", "mid_replace")
+FAULTS = ("mid_write", "before_manifest", "mid_replace", "fail_stage")
 
 
 def _kill() -> None:
@@ -57,6 +59,20 @@ def install(fault: str, table: str) -> None:
             keep_damaged(root, old, final, damaged)
 
         layout._keep_damaged = kill_after_swap
+    elif fault == "fail_stage":
+        from updatelens.assets import common
+
+        finish = common.finish
+
+        def fail_in_stage(store: Any, *args: Any, **kwargs: Any) -> Any:
+            if store.run is not None and store.run.stage == table:
+                raise RuntimeError(f"planted failure at the end of stage {table}")
+            return finish(store, *args, **kwargs)
+
+        common.finish = fail_in_stage  # type: ignore[assignment]  # the planted fault
+        for module in ("activations", "local_fits", "residuals", "geometry", "controls", "functional_metrics"):
+            stage = __import__(f"updatelens.assets.{module}", fromlist=["finish"])
+            stage.finish = fail_in_stage  # each stage module holds its own name for it
     else:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
 
