@@ -15,6 +15,7 @@ SIGKILL the process at FAULT while it writes a partition of TABLE:
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -69,10 +70,10 @@ def install(fault: str, table: str) -> None:
                 raise RuntimeError(f"planted failure at the end of stage {table}")
             return finish(store, *args, **kwargs)
 
-        common.finish = fail_in_stage  # type: ignore[assignment]  # the planted fault
+        common.finish = fail_in_stage  # the planted fault
         for module in ("activations", "local_fits", "residuals", "geometry", "controls", "functional_metrics"):
-            stage = __import__(f"updatelens.assets.{module}", fromlist=["finish"])
-            stage.finish = fail_in_stage  # each stage module holds its own name for it
+            stage = importlib.import_module(f"updatelens.assets.{module}")
+            vars(stage)["finish"] = fail_in_stage  # each stage module holds its own name for it
     else:
         raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
 
