@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,8 +45,40 @@ def run_stages(context: dg.AssetExecutionContext) -> tuple[str, ...]:
 def run_store(context: dg.AssetExecutionContext, store: Store) -> Store:
     """The data root as this step's run sees it: the tables of the run's stages are staged and read back
     from the run's staging folder, and the last of the run's stages to finish swaps them into place
-    (`finish`); a run that stops before leaves the stored partitions as they were (storage.staging)."""
-    return store.for_run(RunScope(context.run.run_id, run_stages(context), context.asset_key.to_user_string()))
+    (`finish`); a run that stops before leaves the stored partitions as they were (storage.staging).
+    Inputs that another run is writing are waited for (`await_staged_inputs`)."""
+    scoped = store.for_run(RunScope(context.run.run_id, run_stages(context), context.asset_key.to_user_string()))
+    await_staged_inputs(context, scoped)
+    return scoped
+
+
+INPUT_WAIT_S = 3600.0  # the longest a step waits for another run to swap in the inputs it is writing
+INPUT_POLL_S = 2.0
+
+
+def await_staged_inputs(context: dg.AssetExecutionContext, store: Store, wait_s: float = INPUT_WAIT_S) -> None:
+    """Wait while another run that is going has staged, and not yet swapped in, a partition this step
+    reads in place. A stage's materialization is recorded when its step ends, but its partitions
+    appear when its run's last stage ends (stage, then swap): a run that declarative automation launches
+    on that record meanwhile would otherwise find its inputs missing. Before the partitions' locks
+    (`each_model`), which the other run takes to swap them in."""
+    tables = [t for stage in upstream(context.asset_key.to_user_string()) for t in stage.tables]
+    if not tables:
+        return
+    going, told = run_going(context.instance), set()
+    deadline = time.monotonic() + wait_s
+    for model, layers in group_keys(context.partition_keys).items():
+        while others := store.staged_elsewhere(tables, model, layers, going):
+            for run_id, parts in others.items():
+                if run_id not in told:
+                    told.add(run_id)
+                    context.log.info(f"waiting for run {run_id}, which is writing {', '.join(parts)}: they appear "
+                                     "when its last stage ends (stage, then swap)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"run(s) {', '.join(others)} still write inputs of this step after {wait_s:.0f} s "
+                                   f"({', '.join(p for parts in others.values() for p in parts)}); run it again "
+                                   "when they end")
+            time.sleep(INPUT_POLL_S)
 
 
 def run_going(instance: dg.DagsterInstance) -> Callable[[str], bool | None]:

@@ -76,6 +76,25 @@ def staged_partitions(staged: RootLike) -> list[str]:
     return sorted(str(f.parent)[len(str(staged)):].strip("/") for f in found)
 
 
+def staged_elsewhere(root: RootLike, run_id: str, wanted: set[str],
+                     run_going: Callable[[str], bool | None] | None = None) -> dict[str, list[str]]:
+    """{another run that is going: the partitions of `wanted` (`<table>/model=<m>/layer=<l>`) it has staged
+    and not yet swapped in}: what another run is writing that this run would read in place. A run is
+    going as `_clean_runs` judges it (the orchestrator's word first, else its writer alive)."""
+    root = as_root(root)
+    if not is_local(root):
+        root.fs.invalidate_cache()
+    found: dict[str, list[str]] = {}
+    for staged in sorted((root / layout.STAGING).glob(f"{RUN_PREFIX}*"), key=str):
+        other = staged.name[len(RUN_PREFIX):]
+        if other == run_id or not (mine := sorted(set(staged_partitions(staged)) & wanted)):
+            continue
+        going = run_going(other) if run_going is not None else None
+        if going or (going is None and _run_owner_alive(staged)):
+            found[other] = mine
+    return found
+
+
 def _write_json(path: UPath, value: object) -> None:
     """A small JSON file written whole (locally: a temporary file renamed into place, fsynced)."""
     if not is_local(path):

@@ -168,6 +168,14 @@ class Store:
                 stack.enter_context(self.lock(model, layers[model]))
             return staging.commit_run(self.root, self.run.run_id)
 
+    def staged_elsewhere(self, tables: Iterable[str], model: str, layers: Iterable[int],
+                         run_going: Callable[[str], bool | None] | None = None) -> dict[str, list[str]]:
+        """{another run that is going: the partitions of `tables` for these layers that this store reads
+        in place and that run has staged, not yet swapped in} (storage.staging.staged_elsewhere)."""
+        own = self.run.tables if self.run is not None else frozenset()
+        wanted = {f"{table}/model={model}/layer={layer}" for table in tables if table not in own for layer in layers}
+        return staging.staged_elsewhere(self.root, self.run.run_id if self.run is not None else "", wanted, run_going)
+
     @property
     def url(self) -> str:
         return url(self.root)

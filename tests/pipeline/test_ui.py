@@ -90,7 +90,9 @@ def test_partitions_launched_by_clicking_in_the_ui_are_followed_by_their_report(
         """{job: status} of the runs asked for (by the click, then the reports sensor), and the statuses of
         the runs stage automation launched. A stage whose step lands while the automation sensor evaluates
         can be requested once more: Dagster read its in-progress state after the step and its updates
-        before it (seen once in three suites: controls rerun after the backfill; results unchanged)."""
+        before it (seen once in three suites: controls rerun after the backfill; results unchanged). Such a
+        run waits until the backfill has swapped in what it staged (stage, then swap), then succeeds: it
+        once failed here on activations not yet in place (await_staged_inputs)."""
         results = graphql(port, runs_query)["data"]["runsOrError"]["results"]
         sensor = [{t["key"]: t["value"] for t in r["tags"]}.get("dagster/sensor_name") for r in results]
         return ({r["jobName"]: r["status"] for r, by in zip(results, sensor) if by != "stage_automation"},

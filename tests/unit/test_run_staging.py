@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import dagster as dg
 import pyarrow as pa
 import pytest
 
@@ -144,3 +149,50 @@ def test_the_step_that_finishes_the_runs_last_stage_to_finish_is_the_one_that_co
     assert [step(tmp_path, stage).stage_done() for stage in ("residuals", "activations")] == [False, False]
     assert step(tmp_path, "local_fits").stage_done()
     assert Store.open(tmp_path).stage_done()  # outside a run: every write is in place already
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, message: str) -> None:
+        self.lines.append(message)
+
+
+def _context(stage: str, keys: list[str], going: dict[str, bool]) -> Any:
+    """What await_staged_inputs reads of a step's context: its asset, partitions, log and the instance's runs."""
+    runs = {run_id: SimpleNamespace(is_finished=not on) for run_id, on in going.items()}
+    return SimpleNamespace(asset_key=dg.AssetKey(stage), partition_keys=keys, log=_Log(),
+                           instance=SimpleNamespace(get_run_by_id=runs.get))
+
+
+def test_a_step_waits_while_another_going_run_has_staged_its_inputs_and_goes_on_once_they_are_swapped_in(
+        tmp_path: Path) -> None:
+    """Declarative automation can launch a stage on the record of its upstream's step before that step's
+    run has swapped the partitions in: the launched step waits for them (before the layers' locks,
+    which the commit takes), reads them once in place, and gives up with the run named after its wait."""
+    from updatelens.assets.common import await_staged_inputs
+
+    backfill = step(tmp_path, "activations", "backfill")
+    for layer in (0, 1):
+        backfill.partition("activations", "m", layer).write(rows(layer, 3.0))
+    later = Store.open(tmp_path).for_run(RunScope("auto", ("local_fits",), "local_fits"))
+    wanted = ["activations/model=m/layer=0", "activations/model=m/layer=1"]
+    assert later.staged_elsewhere(["activations"], "m", [0, 1]) == {"backfill": wanted}  # its writer: alive
+    assert later.staged_elsewhere(["activations"], "m", [0, 1], lambda run: False) == {}  # over: not waited for
+    assert later.staged_elsewhere(["activations"], "m", [2]) == {}
+    # the backfill's own later stage reads them from its folder: nothing to wait for
+    assert step(tmp_path, "local_fits", "backfill").staged_elsewhere(["activations"], "m", [0, 1]) == {}
+
+    context = _context("local_fits", ["m:00", "m:01"], {"backfill": True})
+    with pytest.raises(RuntimeError, match="run\\(s\\) backfill still write inputs of this step"):
+        await_staged_inputs(context, later, wait_s=0.0)
+    assert context.log.lines == [f"waiting for run backfill, which is writing {', '.join(wanted)}: they appear "
+                                 "when its last stage ends (stage, then swap)"]
+    timer = threading.Timer(1.0, lambda: step(tmp_path, "activations", "backfill").commit())
+    timer.start()
+    started = time.monotonic()
+    await_staged_inputs(_context("local_fits", ["m:00", "m:01"], {"backfill": True}), later, wait_s=60.0)
+    timer.join()
+    assert time.monotonic() - started >= 1.0
+    assert later.partition("activations", "m", 1).read()["v"][0].as_py() == 3.0
