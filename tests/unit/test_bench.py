@@ -205,3 +205,20 @@ def test_the_default_job_record_weighs_the_steps_without_a_forward_pass_against_
     steps[3]["seconds"] = 20.0  # fits, residuals and geometry within the margin: the target is not ruled out
     assert record({"model": "m", "config_id": "c", "layers": [0, 29], "pipeline_s": 390.0, "peak_rss_gib": 2.0},
                   floor, steps)[-1]["met"]
+
+
+def test_the_code_cost_record_judges_the_job_against_the_earlier_codes_and_lists_every_step() -> None:
+    from bench.code_cost import record
+
+    base = {"model": "m", "config_id": "a", "layers": [0, 1], "pipeline_s": 100.0, "peak_rss_gib": 3.5}
+    new = {**base, "config_id": "b", "pipeline_s": 124.0, "peak_rss_gib": 2.9}
+    steps = [{"step": "activations", "seconds": 10.0}, {"step": "geometry", "seconds": 5.0},
+             {"step": "geometry", "seconds": 5.0}]
+    rows = {r["name"]: r for r in record(base, new, steps[:1], steps + [{"step": "controls", "seconds": 3.0}],
+                                         "abc1234", 1.25)}
+    assert rows["default_job_wall_s"]["met"] and rows["default_job_wall_s"]["ratio"] == 1.24
+    assert rows["default_job_peak_rss_gib"]["met"] and "abc1234" in rows["default_job_wall_s"]["note"]
+    assert rows["step_geometry_s"]["value"] == 10.0 and rows["step_geometry_s"]["reference"] is None
+    assert rows["step_activations_s"]["ratio"] == 1.0 and rows["step_controls_s"]["value"] == 3.0
+    slower = record(base, {**new, "pipeline_s": 126.0, "peak_rss_gib": 3.1}, [], [], "abc1234", 1.25)
+    assert [r["met"] for r in slower] == [False, False]
