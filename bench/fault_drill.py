@@ -590,9 +590,9 @@ def bad_settings(drill: Drill) -> list[dict[str, object]]:
                         "touched": not drill.identical()[0]})
     for value in BAD_TIMEOUTS:
         rc, out = drill.cli("sql", "--timeout", value, "SELECT 1")
-        lines = out.strip().splitlines()
-        records.append({"input": f"sql --timeout {value}", "exit": rc, "message": lines[-1] if lines else "",
-                        "one_line": len(lines) == 1, "touched": False})
+        said = [line for line in out.splitlines() if line.startswith("updatelens sql:")]  # after argparse's usage
+        records.append({"input": f"sql --timeout {value}", "exit": rc, "message": said[-1] if said else out[-300:],
+                        "one_line": len(said) == 1, "touched": False})
     return records
 
 
