@@ -8,10 +8,12 @@ validated against the config's depth when the model loads.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,26 +192,48 @@ def embedded_file(entry: ModelEntry) -> Path:
 
 
 def convert_embedded(entry: ModelEntry) -> Path:
-    """GGUF -> safetensors once, cached; later loads read the cached safetensors."""
-    gguf = embedded_file(entry)
-    target = cache_dir() / "models" / entry.slug
-    if (target / "config.json").exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """GGUF -> safetensors once per GGUF file, cached; later loads read the cached safetensors."""
+    return converted(embedded_file(entry), cache_dir() / "models" / entry.slug, _convert_gguf)
 
-    weights = _check_gguf(gguf)
+
+SOURCE_FILE = "SOURCE"  # in a converted model's folder: the GGUF's name and size (part of its fingerprint)
+SOURCE_IDENTITY = ".source.json"  # hidden (outside the fingerprint): the GGUF's path, size, mtime and SHA-256
+
+
+def converted(gguf: Path, target: Path, convert: Callable[[Path, Path], None]) -> Path:
+    """The folder `target` holding `gguf` converted (by `convert(gguf, folder)`): reused while it was made
+    from this very file, made anew (and swapped in whole) where the slug's file now holds other weights,
+    e.g. a new version of the package or the registry entry pointed at another file. A file whose path,
+    size or mtime moved is hashed (a second or so) and kept where its content is the same (a reinstall).
+    A folder converted before the identity was recorded is kept where its SOURCE names this file's name
+    and size, as it was before."""
+    stat = gguf.stat()
+    here = {"path": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    if (target / "config.json").exists():
+        try:
+            known = json.loads((target / SOURCE_IDENTITY).read_text())
+        except (OSError, ValueError):
+            known = None
+        if known is not None and all(known.get(k) == v for k, v in here.items()):
+            return target
+        digest = _file_digest(gguf)
+        same = (known.get("sha256") == digest if known is not None else
+                (target / SOURCE_FILE).read_text().strip() == f"{gguf.name} size={stat.st_size}")
+        if same:
+            _write_identity(target, {**here, "sha256": digest})
+            return target
+    else:
+        digest = _file_digest(gguf)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.slug}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        quantizer = getattr(model, "hf_quantizer", None)
-        if quantizer is not None:
-            quantizer.remove_quantization_config(model)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "SOURCE").write_text(f"{gguf.name} size={gguf.stat().st_size}\n")
-        (tmp / WEIGHTS_FILE).write_text(weights + "\n")
+        convert(gguf, tmp)
+        (tmp / SOURCE_FILE).write_text(f"{gguf.name} size={stat.st_size}\n")
+        _write_identity(tmp, {**here, "sha256": digest})
+        if target.exists():  # other weights than the slug's earlier file: the old conversion goes whole
+            old = target.with_name(f".{target.name}-replaced-{os.getpid()}")
+            target.rename(old)
+            shutil.rmtree(old, ignore_errors=True)
         try:
             tmp.rename(target)
         except OSError:  # another process converted it first
@@ -218,6 +242,27 @@ def convert_embedded(entry: ModelEntry) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _write_identity(folder: Path, identity: dict[str, object]) -> None:
+    tmp = folder / f"{SOURCE_IDENTITY}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(identity))
+    tmp.replace(folder / SOURCE_IDENTITY)
+
+
+def _convert_gguf(gguf: Path, folder: Path) -> None:
+    """A GGUF file as a transformers folder (safetensors, config, tokenizer) and its quantization note."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    weights = _check_gguf(gguf)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / WEIGHTS_FILE).write_text(weights + "\n")
 
 
 def _check_gguf(path: Path) -> str:

@@ -577,3 +577,41 @@ def test_the_weights_fingerprint_follows_the_content_and_is_read_once(tmp_path: 
     os.utime(folder / "config.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     changed = models.weights_fingerprint(folder)
     assert changed != first and [p.name for p in read] == ["config.json"]
+
+
+def test_an_embedded_models_conversion_follows_its_gguf_file_not_its_slug(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conversion of a slug's GGUF is reused while it was made from that very file; other weights under
+    the slug (a new package version, the registry pointed at another file) are converted anew and swapped
+    in whole, so the weights' fingerprint is that of what loads; a reinstall of the same file (new mtime) is
+    hashed once and kept; a folder converted before the identity was recorded is kept where its SOURCE
+    names the file's name and size."""
+    from updatelens.models import SOURCE_IDENTITY, converted, weights_fingerprint
+
+    monkeypatch.setenv("UPDATELENS_CACHE", str(tmp_path / "cache"))
+    calls: list[bytes] = []
+
+    def convert(gguf: Path, folder: Path) -> None:  # a stand-in: the "weights" are the file's content
+        calls.append(gguf.read_bytes())
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(gguf.read_bytes()[::-1])
+
+    gguf, target = tmp_path / "pkg" / "model.gguf", tmp_path / "cache" / "models" / "slug"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF first weights")
+    assert converted(gguf, target, convert) == target and len(calls) == 1
+    first = weights_fingerprint(target)
+    assert converted(gguf, target, convert) == target and len(calls) == 1  # reused: the same file
+    os.utime(gguf, ns=(1, 1))  # reinstalled: the same content, another mtime
+    assert converted(gguf, target, convert) == target and len(calls) == 1
+    assert json.loads((target / SOURCE_IDENTITY).read_text())["mtime_ns"] == 1
+    gguf.write_bytes(b"GGUF other weights!")  # other weights under the slug's file
+    assert converted(gguf, target, convert) == target and len(calls) == 2
+    assert (target / "model.safetensors").read_bytes() == b"GGUF other weights!"[::-1]
+    assert weights_fingerprint(target) != first
+    assert not [p for p in target.parent.iterdir() if p.name != "slug"]  # the old conversion is gone whole
+    (target / SOURCE_IDENTITY).unlink()  # converted by an earlier version: SOURCE alone
+    assert converted(gguf, target, convert) == target and len(calls) == 2
+    (target / SOURCE_IDENTITY).unlink()
+    (target / "SOURCE").write_text("model.gguf size=18\n")  # SOURCE of another file
+    assert converted(gguf, target, convert) == target and len(calls) == 3
