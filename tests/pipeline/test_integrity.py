@@ -3,6 +3,7 @@ counted as stale, quarantined (never deleted) and recomputed by the next run."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import dagster as dg
@@ -25,12 +26,22 @@ def truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])  # what a full disk or a partial copy leaves
 
 
+@pytest.fixture(scope="module")
+def pristine(zoo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Layers 0 and 1 materialized once per module; each test damages a copy of them."""
+    root = tmp_path_factory.mktemp("integrity") / "data"
+    lens = UpdateLensResource(data_root=str(root), registry=str(zoo), analysis=AnalysisSettings(**SETTINGS))
+    assert materialize_model(MODEL, lens, dg.DagsterInstance.ephemeral(), layers=[0, 1], log_level="WARNING").success
+    return root
+
+
 @pytest.fixture
-def stored(zoo: Path, tmp_path: Path) -> tuple[UpdateLensResource, dg.DagsterInstance]:
+def stored(pristine: Path, zoo: Path, tmp_path: Path) -> tuple[UpdateLensResource, dg.DagsterInstance]:
+    """A copy of the pristine root (another folder: its catalog is verified anew, as for any copied root)
+    and a fresh instance: what `run` decides comes from the stored files, not from Dagster's history."""
+    shutil.copytree(pristine, tmp_path / "data", symlinks=True)
     lens = UpdateLensResource(data_root=str(tmp_path / "data"), registry=str(zoo), analysis=AnalysisSettings(**SETTINGS))
-    instance = dg.DagsterInstance.ephemeral()
-    assert materialize_model(MODEL, lens, instance, layers=[0, 1], log_level="WARNING").success
-    return lens, instance
+    return lens, dg.DagsterInstance.ephemeral()
 
 
 def test_a_truncated_partition_is_left_out_named_quarantined_and_recomputed(

@@ -21,6 +21,9 @@ from updatelens.storage import catalog
 from updatelens.storage.layout import partition_file
 from updatelens.tables import to_matrix
 
+# One worker runs this module (make test: --dist loadgroup), so the three models are materialized once.
+pytestmark = pytest.mark.xdist_group("materialize")
+
 MODELS = ["tiny-gpt2", "tiny-llama", "tiny-mamba"]
 CLASSES = ["diagonal", "psd_diagonal", "lowrank", "orthogonal", "global_linear", "mlp"]
 N_SEQ, SEQ_LEN = 6, 16

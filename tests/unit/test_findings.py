@@ -8,6 +8,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import scipy.stats
 
@@ -27,6 +28,13 @@ def context_columns(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     """The geometry's columns of the estimator against the exact split (geometry.CONTEXT_COLUMNS)."""
     cos_res_ctx = rng.uniform(-1, 1, n)
     return {"cos_res_ctx": cos_res_ctx, "res_share_ctx": cos_res_ctx ** 2, "cos_tok_ctl": rng.uniform(-1, 1, n)}
+
+
+def by_layer(root: Path, sql: str) -> dict[int, pa.Table]:
+    """Each layer's rows of one query, all read before anything is written: a query after a write
+    verifies the root and rebuilds its views anew (half a second each)."""
+    whole = catalog.query(root, sql).to_arrow()
+    return {layer: whole.filter(pc.equal(whole["layer"], layer)) for layer in range(LAYERS)}
 
 
 def fixture(root: Path, config_id: str = "c1", seed: int = 0, n_seq: int = 4) -> dict[str, np.ndarray]:
@@ -437,9 +445,9 @@ def test_a_finding_holds_only_beyond_its_null_and_is_indistinct_when_noise_passe
     structured = rng.uniform(0.95, 0.99, (40, LAYERS))
     noise = rng.uniform(0.92, 0.99, (40, LAYERS))
     planted = {"lowrank": (structured, structured - 0.06), "diagonal": (noise, noise + rng.normal(0, 1e-3, noise.shape))}
+    stored = by_layer(tmp_path, "SELECT * FROM geometry_bootstrap WHERE replicate >= 0 ORDER BY layer, fn_class, replicate")
     for layer in range(LAYERS):
-        table = catalog.query(tmp_path, "SELECT * FROM geometry_bootstrap WHERE layer = $1 AND replicate >= 0 "
-                                        "ORDER BY fn_class, replicate", [layer]).drop(["layer", "model"]).to_arrow()
+        table = stored[layer].drop_columns(["layer", "model"])
         columns = {}
         for name in ("frac_res_tok_angle_gt60", "frac_res_tok_angle_gt60_null"):
             columns[name] = np.concatenate([planted[c][name.endswith("_null")][:, layer] for c in ("diagonal", "lowrank")])
@@ -462,8 +470,9 @@ def test_finding_6_null_shifts_the_depths_round_keeping_neighbours_together(tmp_
     places): with rel_err_median equal to the layer's index, the null's gap is one of the rotations'."""
     fixture(tmp_path)
     replicate_fixture(tmp_path)
+    stored = by_layer(tmp_path, "SELECT * FROM geometry_bootstrap")
     for layer in range(LAYERS):
-        table = catalog.query(tmp_path, "SELECT * FROM geometry_bootstrap WHERE layer = $1", [layer]).to_arrow()
+        table = stored[layer]
         table = table.set_column(table.schema.get_field_index("rel_err_median"), "rel_err_median",
                                  pa.array(np.full(len(table), float(layer))))
         write_partition(tmp_path, "geometry_bootstrap", "m", layer, table)
@@ -487,8 +496,9 @@ def test_finding_6_p_is_the_share_of_all_shifts_whose_gap_reaches_the_real_one(t
     (no shift does better), 1 where they are the smallest; other findings have none."""
     v = fixture(tmp_path)
     if profile != "random":
+        stored = by_layer(tmp_path, "SELECT * FROM geometry")
         for layer in range(LAYERS):
-            table = catalog.query(tmp_path, "SELECT * FROM geometry WHERE layer = $1", [layer]).to_arrow()
+            table = stored[layer]
             peak = (1.0 if layer in MIDDLE else 0.1 * layer) * (1 if profile == "middle peak" else -1)
             column = table["rel_err"].to_numpy() * 0 + peak + np.arange(len(table)) * 1e-3
             table = table.set_column(table.schema.get_field_index("rel_err"), "rel_err", pa.array(column))
