@@ -220,7 +220,7 @@ def converted(gguf: Path, target: Path, convert: Callable[[Path, Path], None]) -
         same = (known.get("sha256") == digest if known is not None else
                 (target / SOURCE_FILE).read_text().strip() == f"{gguf.name} size={stat.st_size}")
         if same:
-            _write_identity(target, {**here, "sha256": digest})
+            _write_json(target / SOURCE_IDENTITY, {**here, "sha256": digest})
             return target
     else:
         digest = _file_digest(gguf)
@@ -229,7 +229,7 @@ def converted(gguf: Path, target: Path, convert: Callable[[Path, Path], None]) -
     try:
         convert(gguf, tmp)
         (tmp / SOURCE_FILE).write_text(f"{gguf.name} size={stat.st_size}\n")
-        _write_identity(tmp, {**here, "sha256": digest})
+        _write_json(tmp / SOURCE_IDENTITY, {**here, "sha256": digest})
         if target.exists():  # other weights than the slug's earlier file: the old conversion goes whole
             old = target.with_name(f".{target.name}-replaced-{os.getpid()}")
             target.rename(old)
@@ -244,10 +244,11 @@ def converted(gguf: Path, target: Path, convert: Callable[[Path, Path], None]) -
     return target
 
 
-def _write_identity(folder: Path, identity: dict[str, object]) -> None:
-    tmp = folder / f"{SOURCE_IDENTITY}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(identity))
-    tmp.replace(folder / SOURCE_IDENTITY)
+def _write_json(path: Path, value: object) -> None:
+    """A small JSON file written whole: a temporary file beside it, renamed into place."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:
@@ -329,7 +330,6 @@ def weights_fingerprint(folder: Path) -> str:
     stats the files (a changed file, whatever its mtime, changes its size or mtime in practice; `verify`
     and the drill change both)."""
     import hashlib
-    import json
 
     folder = Path(folder)
     record = cache_dir() / "fingerprints" / (hashlib.sha1(str(folder.resolve()).encode()).hexdigest() + ".json")
@@ -351,9 +351,7 @@ def weights_fingerprint(folder: Path) -> str:
         raise ModelError(f"model folder {folder} holds no files to fingerprint")
     if changed or set(files) != set(known):
         record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(files))
-        tmp.replace(record)
+        _write_json(record, files)
     whole = hashlib.sha256("".join(f"{name}\0{entry[3]}\n" for name, entry in files.items()).encode())
     return whole.hexdigest()[:16]
 
