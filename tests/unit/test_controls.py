@@ -8,11 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 import torch
 
-from tests.unit.test_findings import CLASSES, LAYERS, fixture, replicate_fixture
+from tests.unit.test_findings import CLASSES, LAYERS, by_layer, fixture, replicate_fixture
 from updatelens.capture import capture_batches, record_block_calls, record_block_states, self_first_outputs
 from updatelens.errors import ModelError
 from updatelens.findings import BY_ID
@@ -192,12 +191,10 @@ def write_control(root: Path, control: str, shift: dict[str, float] | None = Non
 def write_controls(root: Path, controls: dict[str, dict[str, float] | None]) -> None:
     """Controls (name -> shift) whose tables are the real layer's, each with its shift added to the
     named statistics, stored together as the controls stage stores them."""
-    # every table read before anything is written: a query after a write verifies the root anew
-    stored = {table: catalog.query(root, f"SELECT * FROM {table}").to_arrow() for table in ("geometry", "spectra",
-                                                                                          "geometry_bootstrap")}
-    for table, whole in stored.items():
+    stored = {table: by_layer(root, f"SELECT * FROM {table}") for table in ("geometry", "spectra", "geometry_bootstrap")}
+    for table, layers in stored.items():
         for layer in range(LAYERS):
-            real = whole.filter(pc.equal(whole["layer"], layer))
+            real = layers[layer]
             parts = []
             for control, shift in controls.items():
                 part = real
@@ -238,9 +235,9 @@ def test_a_control_that_shows_the_structure_lets_a_real_failure_fail(tmp_path: P
     fixture(tmp_path)
     replicate_fixture(tmp_path)
     write_control(tmp_path, "self_first", {"cos_full_tok_median": 5.0, "cos_full_tok": 5.0})
-    whole = catalog.query(tmp_path, "SELECT * FROM geometry_bootstrap").to_arrow()
+    stored = by_layer(tmp_path, "SELECT * FROM geometry_bootstrap")
     for layer in range(LAYERS):  # the real layer: well below 0.9 on every resample
-        table = whole.filter(pc.equal(whole["layer"], layer))
+        table = stored[layer]
         low = np.full(len(table), 0.5)
         table = table.set_column(table.schema.get_field_index("cos_full_tok_median"), "cos_full_tok_median",
                                  pa.array(low))
@@ -256,9 +253,9 @@ def test_a_residual_beyond_its_null_on_the_wrong_side_is_opposite(tmp_path: Path
     under the threshold."""
     fixture(tmp_path)
     replicate_fixture(tmp_path)
-    whole = catalog.query(tmp_path, "SELECT * FROM geometry_bootstrap").to_arrow()
+    stored = by_layer(tmp_path, "SELECT * FROM geometry_bootstrap")
     for layer in range(LAYERS):
-        table = whole.filter(pc.equal(whole["layer"], layer))
+        table = stored[layer]
         rng = np.random.default_rng(layer)
         for name, centre in (("proj_res_m16", 0.14), ("proj_res_m16_null", 0.028)):
             table = table.set_column(table.schema.get_field_index(name), name,
@@ -415,11 +412,11 @@ def test_the_exact_split_is_its_own_estimator_row_in_the_findings(tmp_path: Path
     and no control in its verdict (it has no estimator whose limit a control would show)."""
     fixture(tmp_path)
     replicate_fixture(tmp_path)
-    stored = {table: catalog.query(tmp_path, f"SELECT * FROM {table} WHERE fn_class = 'lowrank'").to_arrow()
-              for table in ("geometry", "spectra", "geometry_bootstrap")}  # all read before any write
-    for table, whole in stored.items():
+    stored = {table: by_layer(tmp_path, f"SELECT * FROM {table} WHERE fn_class = 'lowrank'")
+              for table in ("geometry", "spectra", "geometry_bootstrap")}
+    for table, layers in stored.items():
         for layer in range(LAYERS):
-            real = whole.filter(pc.equal(whole["layer"], layer))
+            real = layers[layer]
             exact = real.set_column(real.schema.get_field_index("fn_class"), "fn_class", pa.array(["exact"] * len(real)))
             write_partition(tmp_path, f"control_{table}", "m", layer,
                             exact.add_column(1, "control", pa.array(["exact"] * len(exact))))
