@@ -61,6 +61,16 @@ CHOOSE = """((label) => { const found = [...document.querySelectorAll('button, l
   if (!found.length) return null; found[0].click(); return label; })(LABEL)"""
 
 
+RUNS_WAIT_S = 900  # from the click to the report and the comparison
+
+
+def steps_logged(log: Path, lines: int = 40) -> str:
+    """The last step and run events of the UI's log (its sensor ticks left out): where a slow run stood."""
+    events = [line for line in log.read_text().splitlines() if " - STEP_" in line or " - RUN_" in line
+              or "ERROR" in line]
+    return "\n".join(events[-lines:])
+
+
 @pytest.mark.needs_tool(("chromium", "chromium-browser"), "apt-get install chromium")
 def test_partitions_launched_by_clicking_in_the_ui_are_followed_by_their_report(zoo: Path, tmp_path: Path) -> None:
     """`updatelens ui` on a fresh root with a registry model never run there: the registry sensor adds
@@ -137,14 +147,16 @@ def test_partitions_launched_by_clicking_in_the_ui_are_followed_by_their_report(
             assert page.evaluate(CHOOSE.replace("LABEL", json.dumps("All"))) == "All"
             page.wait_for(lambda text: "3 partitions" in text, 30)
             assert page.evaluate(CLICK.replace("LABEL", json.dumps("Launch backfill"))) == "Launch backfill"
-            deadline, jobs, automated = time.time() + 420, {}, []
+            # 80 s alone on 2 cores; CI runs it beside two other workers (once over 420 s there)
+            deadline, jobs, automated = time.time() + RUNS_WAIT_S, {}, []
             while time.time() < deadline:
                 jobs, automated = launched()
-                if jobs.get("analyse") == "FAILURE" or (jobs.get("build_report") == "SUCCESS"
-                                                        and jobs.get("build_comparison") == "SUCCESS"):
+                if "FAILURE" in jobs.values() or (jobs.get("build_report") == "SUCCESS"
+                                                  and jobs.get("build_comparison") == "SUCCESS"):
                     break
                 time.sleep(3)
-        assert jobs == {"analyse": "SUCCESS", "build_report": "SUCCESS", "build_comparison": "SUCCESS"}, jobs
+        assert jobs == {"analyse": "SUCCESS", "build_report": "SUCCESS", "build_comparison": "SUCCESS"}, \
+            f"{jobs} after {RUNS_WAIT_S} s; the UI's log ends:\n{steps_logged(log)}"
         assert "FAILURE" not in automated, automated
         assert (data / "reports" / "tiny-gpt2" / "index.html").is_file()
         # the code location is named after the data root the UI serves; telemetry and nux are off
