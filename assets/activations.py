@@ -51,13 +51,13 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
             token_sinks = {layer: stack.enter_context(store.partition("tokens", model, layer).writer())
                            for layer in layers}
             for batch in capture_batches(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch,
-                                         last_block=max(layers), self_first=self_first):
+                                         last_block=max(layers), self_first=self_first, sources=True):
                 text = token_rows(lm.tokenizer, batch.input_ids, 0, prov, batch.start)
                 for layer, sink in sinks.items():
                     docs = sample.doc_index[batch.start : batch.start + len(batch.input_ids)]
                     sink.write(activation_rows(batch.states, batch.input_ids, batch.attention_mask, layer,
                                                cfg, prov, docs, batch.start, batch.self_first.get(layer),
-                                               maps.get(layer)))
+                                               maps.get(layer), batch.sources.get(layer)))
                     token_sinks[layer].write(text.set_column(0, "layer", pa.array([layer] * len(text), pa.int32())))
         n_check = min(lens.checks.hidden_state_sequences, len(sample.input_ids))
         heads = {}

@@ -20,6 +20,7 @@ import torch
 
 from updatelens.assets.expectations import Expect, Verdict, between, row_count, validate
 from updatelens.config import AnalysisConfig
+from updatelens.context_sources import DISTANCE_LABELS
 from updatelens.findings import EXACT
 from updatelens.fits import LOCAL_FITTERS, FitParams, LayerFit, refit_anchors, torch_dtype
 from updatelens.geometry import CONTEXT_COLUMNS
@@ -89,7 +90,9 @@ CHECK_DEFS: dict[str, CheckDef] = {c.name: c for c in [
     CheckDef("controls_valid", False, "every configured control the architecture has, the null target and the "
              "exact split present, each measured as geometry_ranges measures the real layer; the exact split's "
              "context_split: one row per kept token in order, ||Δ_full|| the activations' ||y - x||, Δ_ctl + a "
-             "adding up to Δ_full, values in range"),
+             "adding up to Δ_full, values in range; context_heads: a row per head, the heads together and "
+             "each distance bin, each share the activations' sources give, the distance parts adding up to a, "
+             "each head's attention mass to 1"),
     CheckDef("functional_valid", False, "KL finite and, before its clamp at 0, not below -rounding; "
              "the random-direction control moves the output (patches are applied); Spearman in [-1, 1] "
              "with enough tokens; the identity patch gives KL 0"),
@@ -609,6 +612,57 @@ def check_context_split(split: pa.Table, data: LayerData, expected: bool) -> Ver
     bad = np.flatnonzero(_outside(split, ranges) != "")
     verdict.expect("context_split values in range", len(bad) == 0,
                    f"{len(bad)} context_split rows with a value missing, not finite or out of range", _ids(split, bad))
+    return verdict
+
+
+HEADS_ATOL = 1e-3  # float32 parts of float32 states: the distance parts add up to a to ~1e-6 of ||a||^2
+
+
+def check_context_heads(heads: pa.Table, data: LayerData, y_ctl: np.ndarray | None) -> Verdict:
+    """The stored sources of the context part (where they were captured): a row per head, the heads'
+    `together` row and a row per distance bin; each share the one the activations' per-token dot products
+    give (a row moved to another head, bin or layer fails here); the distance parts adding up to a (their
+    shares to 1) and `together` 1 less the heads'; each head's attention mass on the context, the first
+    position and itself adding up to 1; intervals ordered."""
+    verdict = Verdict()
+    src = data.sources
+    if src is None or y_ctl is None:
+        verdict.expect("no context sources without their capture", len(heads) == 0,
+                       f"{len(heads)} context_heads rows stored where no sources were captured")
+        return verdict
+    n_heads = src.n_heads
+    want = [("head", str(h)) for h in range(n_heads)] + [("together", "all heads")] + \
+        [("distance", label) for label in DISTANCE_LABELS]
+    found = list(zip(heads["kind"].to_pylist(), heads["source"].to_pylist()))
+    verdict.expect("context_heads holds each head, the heads together and each distance bin once", found == want,
+                   f"context_heads rows {found}, expected {want}")
+    if found != want:
+        return verdict
+    kept = data.kept
+    a = data.y_full.astype(np.float64) - y_ctl.astype(np.float64)
+    energy = float(np.einsum("std,std->st", a, a)[kept].sum()) or 1.0
+    expected = np.concatenate([src.head_dot[kept].astype(np.float64).sum(0) / energy, [np.nan],
+                               src.dist_dot[kept].astype(np.float64).sum(0) / energy])
+    expected[n_heads] = 1.0 - expected[:n_heads].sum()
+    share = heads["share"].to_numpy(zero_copy_only=False)
+    off = np.flatnonzero(~np.isclose(share, expected, rtol=1e-6, atol=1e-9))
+    verdict.expect("each share is the activations' <part, a> / ||a||^2", len(off) == 0,
+                   f"{len(off)} context_heads shares differ from the activations' sources: rows {off.tolist()}")
+    distance = float(share[n_heads + 1:].sum())
+    verdict.expect("the distance parts add up to a", abs(distance - 1.0) <= HEADS_ATOL,
+                   f"the distance bins' shares add up to {distance:.6f}, not 1")
+    mass = heads.slice(0, n_heads)
+    total = sum(mass[c].to_numpy(zero_copy_only=False) for c in ("mass", "mass_first", "mass_self"))
+    bad = np.flatnonzero(~(np.abs(total - 1.0) <= HEADS_ATOL))
+    verdict.expect("each head's attention mass adds up to 1", len(bad) == 0,
+                   f"the attention mass of heads {bad.tolist()} adds up to {total[bad].round(6).tolist()}")
+    lo, hi = heads["share_lo"].to_numpy(zero_copy_only=False), heads["share_hi"].to_numpy(zero_copy_only=False)
+    disordered = np.flatnonzero(lo > hi)
+    verdict.expect("share intervals ordered", len(disordered) == 0,
+                   f"share_lo above share_hi on rows {disordered.tolist()}")
+    n = heads["n_tokens"].to_numpy()
+    verdict.expect("n_tokens is the layer's kept tokens", bool(np.all(n == int(kept.sum()))),
+                   f"n_tokens {sorted(set(n.tolist()))}, the activations keep {int(kept.sum())}")
     return verdict
 
 

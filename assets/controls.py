@@ -63,6 +63,7 @@ def controls(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
             verdict = checks.check_controls(stored["control_geometry"], stored["control_spectra"], len(data.x),
                                             cfg.classes, expected)
             verdict.merge(checks.check_context_split(stored["context_split"], data, y_ctl is not None), "split: ")
+            verdict.merge(checks.check_context_heads(stored["context_heads"], data, y_ctl), "sources: ")
             verdicts[f"{model}:{layer:02d}"] = verdict
     return finish(store, cfg, written, outcomes=[
         checks.Outcome("controls", "controls_valid", verdicts, lens.checks)])

@@ -37,6 +37,12 @@ COMPARISON = "_comparison"  # not a valid model slug, so it never collides with 
 # Every figure of a model report, in the order the report shows them, with its caption.
 CONVERGENCE_CAPTION = ("Each finding against the number of tokens in the sample (nested samples: the first n "
                        "windows of the corpus), one line per class with its 95% bootstrap band over sequences.")
+CONTEXT_HEADS_CAPTION = ("Per head, the share of a along the head's context restored alone (the block with that head "
+                         "attending as in the model and every other to itself and the first position): <a_h, a> / "
+                         "||a||^2 over the layer's tokens. The MLP follows attention, so the shares need not add up to "
+                         "1; the rest is what the heads add only together. Per source distance, the context restored "
+                         "nearest first (up to 1, 4, 16 positions back, then all): each bin's share of what it adds "
+                         "to the nearer ones; these add up to 1. Dots: the heads' mean attention mass on the bin.")
 CONTEXT_SPLIT_CAPTION = ("Per layer, the exact split of the update by the self-and-first block: the share of "
                          "‖Δ_full‖ that is the token's own update and the share the context adds (medians over "
                          "tokens), and the cosine of the full update with the token's own, against finding 1's 0.9; "
@@ -112,6 +118,7 @@ LEFT_OUT: dict[str, str] = {
     "control_geometry_bootstrap": "the layer is left out of the controls' intervals",
     "context_split": "the layer is left out of the exact split's figure and table",
     "context_split_bootstrap": "the layer's exact split has no interval",
+    "context_heads": "the layer is left out of the heads' heat map and the distance profile",
 }
 
 def reports_root(root: RootLike) -> UPath:
@@ -241,6 +248,29 @@ def sensitivity_pivot(sensitivity: pl.DataFrame) -> pl.DataFrame:
 AGAINST_EXACT = ("cos_res_ctx_median", "res_share_ctx_mean", "cos_tok_ctl_median")
 
 
+def _context_sources(heads: pl.DataFrame, model: str, staging: Path) -> str:
+    """The report's part on where a comes from: the heat map and distance profile, and per layer the top
+    heads, the heads-together remainder and the distance shares."""
+    if heads.is_empty():
+        return ""
+    rows = []
+    for layer in heads["layer"].unique().sort().to_list():
+        mine = heads.filter(pl.col("layer") == layer)
+        per_head = mine.filter(pl.col("kind") == "head").sort("share", descending=True)
+        top = ", ".join(f"{r['source']}: {r['share']:.2f} [{r['share_lo']:.2f}, {r['share_hi']:.2f}]"
+                        for r in per_head.head(3).iter_rows(named=True))
+        together = mine.filter(pl.col("kind") == "together")["share"]
+        dist = {r["source"]: r["share"] for r in mine.filter(pl.col("kind") == "distance").iter_rows(named=True)}
+        rows.append({"layer": layer, "top heads: share [95%]": top,
+                     "heads only together": float(together[0]) if len(together) else None,
+                     **{f"{label} back": dist.get(label) for label in dist}})
+    return ("<h3>Where the context part comes from</h3><p>" + html.escape(CONTEXT_HEADS_CAPTION) + " SQL: "
+            f"<code>SELECT * FROM context_heads WHERE model = '{html.escape(model)}'</code>; per token, the "
+            "activations' <code>ctx_head_dot</code>, <code>attn_mass</code> and <code>top_source_pos</code>.</p>"
+            + _figure_section("context_heads", CONTEXT_HEADS_CAPTION, staging / "context_heads.png")
+            + html_table(pl.DataFrame(rows), ()))
+
+
 def _against_exact(summary: pl.DataFrame, model: str) -> str:
     """The fitted classes' split against the exact one, per layer (layer_summary), where y_ctl was captured."""
     if not set(AGAINST_EXACT) <= set(summary.columns):
@@ -295,6 +325,8 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
         findings = _frame(con, f"SELECT * FROM findings WHERE {where} ORDER BY finding", params)
         split = (_frame(con, f"SELECT * FROM context_split_summary WHERE {where} ORDER BY layer", params)
                  if "context_split_summary" in views else pl.DataFrame())
+        heads = (_frame(con, f"SELECT * FROM context_heads WHERE {where} ORDER BY layer, kind, idx", params)
+                 if "context_heads" in views else pl.DataFrame())
         converged = (_frame(con, "SELECT * FROM convergence WHERE model = ?", [model])
                      if "convergence" in views else pl.DataFrame())
         sensitivity, swept_layers = None, ""
@@ -335,6 +367,8 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
     }
     if not split.is_empty():
         drawings["context_split"] = lambda: fig.context_split(split, f"{model}: what attention to the context adds")
+    if not heads.is_empty():
+        drawings["context_heads"] = lambda: fig.context_heads(heads, f"{model}: where the context part comes from")
     if not converged.is_empty():
         drawings["convergence"] = lambda: fig.convergence(converged, f"{model}: findings against the sample size "
                                                                      f"(95% bootstrap intervals over sequences)")
@@ -389,7 +423,8 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
                 + _figure_section("context_split", CONTEXT_SPLIT_CAPTION, staging / "context_split.png")
                 + html_table(split.select(["layer", "n_tokens", *[c for c in split.columns if c.endswith("_median")]]),
                              ())
-                + _against_exact(summary, model))
+                + _against_exact(summary, model)
+                + _context_sources(heads, model, staging))
         if sensitivity is not None and not sensitivity.is_empty():
             sections.append(
                 "<h2>Sensitivity to the conventions</h2><p>Each finding re-measured with one convention changed "

@@ -255,6 +255,53 @@ def context_split(split: pl.DataFrame, title: str) -> Figure:
     return fig
 
 
+def context_heads(heads: pl.DataFrame, title: str) -> Figure:
+    """From the `context_heads` rows of one model and configuration: left, a head x layer heat map of each
+    head's share of the context part a (its context restored alone), the heads-together remainder
+    annotated per layer; right, per layer the shares of a added by the sources 1, 2-4, 5-16 and more than
+    16 positions back (stacked: they add up to 1), with the heads' mean attention mass on each bin as dots."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2), constrained_layout=True,
+                                      gridspec_kw={"width_ratios": [1.2, 1]})
+    rows = heads.sort(["layer", "idx"])
+    layers = rows["layer"].unique().sort().to_list()
+    per_head = rows.filter(pl.col("kind") == "head")
+    n_heads = int(per_head["idx"].cast(pl.Int64).max() or 0) + 1 if len(per_head) else 0  # type: ignore[arg-type]
+    grid = np.full((n_heads, len(layers)), np.nan)
+    for r in per_head.iter_rows(named=True):
+        grid[r["idx"], layers.index(r["layer"])] = r["share"]
+    span = max(float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0, 1e-9)
+    image = left.imshow(grid, aspect="auto", cmap="RdBu_r", vmin=-span, vmax=span, origin="lower",
+                        extent=(-0.5, len(layers) - 0.5, -0.5, n_heads - 0.5))
+    fig.colorbar(image, ax=left, label="share of a (head's context restored alone)")
+    step = max(1, len(layers) // 15)
+    left.set_xticks(range(0, len(layers), step), [str(v) for v in layers[::step]])
+    left.set_xlabel("layer")
+    left.set_ylabel("head")
+    left.set_title("per head: <a_h, a> / ||a||^2", fontsize=9)
+    bins = rows.filter(pl.col("kind") == "distance")
+    bottom = np.zeros(len(layers))
+    cmap = plt.get_cmap("viridis")
+    labels = bins["source"].unique(maintain_order=True).to_list()
+    for i, label in enumerate(labels):
+        mine = bins.filter(pl.col("source") == label)
+        share = np.array([mine.filter(pl.col("layer") == v)["share"].item() if v in mine["layer"] else 0.0
+                          for v in layers])
+        colour = cmap(i / max(1, len(labels) - 1))
+        right.bar(range(len(layers)), share, bottom=bottom, color=colour, label=f"{label} back")
+        mass = np.array([mine.filter(pl.col("layer") == v)["mass"].item() if v in mine["layer"] else np.nan
+                         for v in layers])
+        right.plot(range(len(layers)), mass, "o", ms=3, color=colour, markeredgecolor="k", markeredgewidth=0.4)
+        bottom = bottom + share
+    right.set_xticks(range(0, len(layers), step), [str(v) for v in layers[::step]])
+    right.set_xlabel("layer")
+    right.set_ylabel("share of a (bars) / attention mass (dots)")
+    right.set_title("per source distance (context restored nearest first)", fontsize=9)
+    right.legend(fontsize=7, ncol=2)
+    right.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
 def comparison_curves(summary: pl.DataFrame, title: str, bands: pl.DataFrame | None = None) -> Figure:
     """Side-by-side per-layer curves of several models against normalised depth, one line per
     model (its best class), with 95% bands where `bands` (`layer_bands` rows plus `depth`, of each

@@ -22,6 +22,9 @@ def declared_rows(table: str, n: int, cfg: AnalysisConfig | None = None, d: int 
         given = values.pop(column.name, None)
         if column.type == schemas.VECTOR:
             data[column.name] = vector_column(np.full((n, d), 0.5, np.float32))
+        elif column.type in (schemas.FLOATS, schemas.INTS):
+            typ = pa.float32() if column.type == schemas.FLOATS else pa.int32()
+            data[column.name] = pa.nulls(n, pa.list_(typ, 1))
         elif column.type == schemas.NEIGHBOURS:
             data[column.name] = pa.FixedSizeListArray.from_arrays(pa.array(np.ones(n * cfg.k), pa.int32()), cfg.k)
         elif column.name == "config_json":

@@ -101,7 +101,8 @@ def analyse_model(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig,
         if held_out is None:
             raise ValueError("the linear control is made here: pass held_out=held_out_sample(lm, corpus, cfg, sample)")
         maps = held_out_maps(lm, held_out, chosen, cfg)
-    cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch, self_first=self_first)
+    cap = capture(lm, sample.input_ids, sample.attention_mask, cfg.capture_batch, self_first=self_first,
+                  sources=True)
     orig = original_output(lm, sample.input_ids, cfg.patch_batch)
     for layer in chosen:
         act = activations_table(cap, layer, cfg, prov, sample.doc_index, maps.get(layer))

@@ -15,6 +15,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from updatelens.context_sources import (
+    SourceAttribution,
+    attention_module,
+    attribute_sources,
+    concat_sources,
+    in_model_form,
+    self_first_allowed,
+)
 from updatelens.errors import ModelError
 from updatelens.models import LoadedModel
 from updatelens.progress import Progress, progress
@@ -38,6 +46,7 @@ class Captured:
     # block l run on h_l with each token attending to itself and the window's first position, per layer
     # asked for: [n_seq, seq_len, d]
     self_first: dict[int, np.ndarray] = field(default_factory=dict)
+    sources: dict[int, SourceAttribution] = field(default_factory=dict)  # per such layer, where asked for
 
     @property
     def n_layers(self) -> int:
@@ -81,6 +90,8 @@ class CapturedBatch:
     # block l run on h_l with each token attending to itself and the window's first position (the positive control), per layer
     # asked for: [b, seq_len, d] float32
     self_first: dict[int, np.ndarray] = field(default_factory=dict)
+    # where the context part of each such layer's update comes from, where asked for
+    sources: dict[int, SourceAttribution] = field(default_factory=dict)
 
 
 class _StopForward(Exception):
@@ -106,12 +117,13 @@ def stop_after_block(blocks: nn.ModuleList, last: int) -> Iterator[None]:
 
 def capture_batches(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.ndarray,
                     batch_size: int = 8, last_block: int | None = None,
-                    self_first: Iterable[int] = ()) -> Iterator[CapturedBatch]:
+                    self_first: Iterable[int] = (), sources: bool = False) -> Iterator[CapturedBatch]:
     """Run the sample through the model a batch at a time, yielding each batch's states: memory
     holds one batch (L+1 x b x seq_len x d), whatever the sample size. With `last_block`, each
     forward stops after that block (transition l needs blocks 0..l only) and the states after it
     are absent (shape [last_block + 2, ...]). For each layer in `self_first` the batch also carries
-    block l run again on h_l with each token attending to itself and the window's first position (`self_first_outputs`)."""
+    block l run again on h_l with each token attending to itself and the window's first position (`self_first_outputs`),
+    and with `sources`, where the context part of its update comes from (`context_sources`)."""
     self_first = sorted(set(self_first))
     if self_first and not lm.self_attention:
         raise ModelError(f"{lm.slug}: the self-and-first block control needs attention blocks (adapter {lm.adapter!r} "
@@ -142,9 +154,9 @@ def capture_batches(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.n
                         record_block_calls(lm.blocks, self_first, calls), stop_after_block(lm.blocks, last):
                     lm.model(input_ids=ids, use_cache=False, **kwargs)
                 states = np.stack([chunks[0].numpy() for chunks in sink[: last + 2]])
-                alone = self_first_outputs(lm, states, calls, verify=start == 0)
+                alone, found = self_first_outputs(lm, states, calls, verify=start == 0, sources=sources)
                 yield CapturedBatch(start, states, input_ids[start : start + batch_size],
-                                    attention_mask[start : start + batch_size], returns_tuple, alone)
+                                    attention_mask[start : start + batch_size], returns_tuple, alone, found)
     finally:
         probe_handle.remove()
 
@@ -178,32 +190,31 @@ def record_block_calls(blocks: nn.ModuleList, layers: Iterable[int], calls: dict
             handle.remove()
 
 
+def mask_is_boolean(given: object, implementation: str) -> bool:
+    """Whether the model's attention takes a boolean 4D mask (True: attend): where it was given one, or runs
+    SDPA without one (causal by flag); False (additive: 0 where allowed, the dtype's minimum elsewhere)
+    where it was given a float mask or runs eager attention."""
+    if isinstance(given, torch.Tensor):
+        return given.dtype == torch.bool
+    if given is None:
+        if implementation not in ("sdpa", "eager"):
+            raise ModelError(f"the self-and-first block control needs eager or sdpa attention, not {implementation!r}")
+        return implementation == "sdpa"
+    raise ModelError(f"the self-and-first block control needs a tensor attention mask; the model passes "
+                     f"{type(given).__name__} to its blocks")
+
+
 def self_first_mask(given: object, batch: int, seq_len: int, implementation: str, dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:
     """The 4D attention mask [batch, 1, T, T] that lets each position attend to itself and the
-    window's first position, in the form the model's attention takes: boolean (True: attend) where it
-    was given a boolean mask or runs SDPA without one (causal by flag), additive (0 where allowed, the
-    dtype's minimum elsewhere) where it was given a float mask or runs eager attention."""
-    allowed = torch.eye(seq_len, dtype=torch.bool, device=device)
-    allowed[:, 0] = True
-    allowed = allowed.expand(batch, 1, seq_len, seq_len)
-    if isinstance(given, torch.Tensor):
-        boolean = given.dtype == torch.bool
-    elif given is None:
-        if implementation not in ("sdpa", "eager"):
-            raise ModelError(f"the self-and-first block control needs eager or sdpa attention, not {implementation!r}")
-        boolean = implementation == "sdpa"
-    else:
-        raise ModelError(f"the self-and-first block control needs a tensor attention mask; the model passes "
-                         f"{type(given).__name__} to its blocks")
-    if boolean:
-        return allowed.contiguous()
-    return torch.where(allowed, torch.zeros((), dtype=dtype, device=device),
-                       torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device))
+    window's first position, in the form the model's attention takes (`mask_is_boolean`)."""
+    allowed = self_first_allowed(seq_len, device).expand(batch, 1, seq_len, seq_len)
+    return in_model_form(allowed, mask_is_boolean(given, implementation), dtype)
 
 
 def self_first_outputs(lm: LoadedModel, states: np.ndarray, calls: dict[int, tuple[tuple, dict]],
-                       verify: bool = False) -> dict[int, np.ndarray]:
+                       verify: bool = False, sources: bool = False
+                       ) -> tuple[dict[int, np.ndarray], dict[int, SourceAttribution]]:
     """Block l on h_l (states[l]) with every token attending to itself and the window's first
     position, for each layer in `calls`, with the arguments the model gave the block (norms, MLP,
     position embeddings and nonlinearity all the model's own). Where every window starts with the
@@ -212,8 +223,10 @@ def self_first_outputs(lm: LoadedModel, states: np.ndarray, calls: dict[int, tup
     with the attention sink where the layer has it (docs/method.md, "Positive controls"). Called
     through `forward`, so no hook of the capture sees these calls. `verify` runs each block once more
     with the odd positions' inputs changed and raises unless every even position's output (after the
-    first) is the same (the mask was honoured)."""
+    first) is the same (the mask was honoured). With `sources`, also where a = y - y_ctl comes from,
+    per head and per source distance (`context_sources.attribute_sources`; y is states[l + 1])."""
     out: dict[int, np.ndarray] = {}
+    found: dict[int, SourceAttribution] = {}
     implementation = str(getattr(lm.model.config, "_attn_implementation", "") or "")
     device = lm.device
     dtype = next(lm.model.parameters()).dtype
@@ -221,22 +234,33 @@ def self_first_outputs(lm: LoadedModel, states: np.ndarray, calls: dict[int, tup
         x = torch.as_tensor(states[layer], device=device, dtype=dtype)
         b, t = x.shape[:2]
         given = dict(kwargs)
+        boolean = mask_is_boolean(kwargs.get("attention_mask"), implementation)
         given["attention_mask"] = self_first_mask(kwargs.get("attention_mask"), b, t, implementation, dtype, device)
-        with torch.inference_mode():
-            y = first_tensor(lm.blocks[layer].forward(x, *args, **given)).to("cpu", torch.float32).numpy()
-            if verify and t >= 3:
-                changed = x.clone()
-                changed[:, 1::2] = x[:, 1::2].flip(0) * 2.0 + 1.0
-                again = first_tensor(lm.blocks[layer].forward(changed, *args, **given)).to("cpu", torch.float32).numpy()
-                scale = float(np.abs(y).max()) or 1.0
-                gap = float(np.abs(again[:, 2::2] - y[:, 2::2]).max())
-                if not np.isfinite(gap) or gap > 1e-3 * scale:
-                    raise ModelError(f"{lm.slug} block {layer}: with each token attending to itself and the first "
-                                     f"position, a token's output still depends on the others (largest change "
-                                     f"{gap:.3g} when the other positions change): the model ignores a 4D attention "
-                                     f"mask, so the self-and-first control cannot be made")
+        block = lm.blocks[layer]
+
+        def run(mask: torch.Tensor, inputs: torch.Tensor = x, block: nn.Module = block, args: tuple = args,
+                named: dict = given) -> np.ndarray:
+            with torch.inference_mode():
+                return first_tensor(block.forward(inputs, *args, **{**named, "attention_mask": mask})).to(
+                    "cpu", torch.float32).numpy()
+
+        y = run(given["attention_mask"])
+        if verify and t >= 3:
+            changed = x.clone()
+            changed[:, 1::2] = x[:, 1::2].flip(0) * 2.0 + 1.0
+            again = run(given["attention_mask"], changed)
+            scale = float(np.abs(y).max()) or 1.0
+            gap = float(np.abs(again[:, 2::2] - y[:, 2::2]).max())
+            if not np.isfinite(gap) or gap > 1e-3 * scale:
+                raise ModelError(f"{lm.slug} block {layer}: with each token attending to itself and the first "
+                                 f"position, a token's output still depends on the others (largest change "
+                                 f"{gap:.3g} when the other positions change): the model ignores a 4D attention "
+                                 f"mask, so the self-and-first control cannot be made")
         out[layer] = y
-    return out
+        if sources:
+            found[layer] = attribute_sources(run, attention_module(block), kwargs.get("attention_mask"),
+                                             states[layer + 1], y, boolean, dtype, device)
+    return out, found
 
 
 @contextmanager
@@ -264,15 +288,16 @@ def self_first_layers(lm: LoadedModel, positive_controls: Iterable[str], layers:
 
 
 def capture(lm: LoadedModel, input_ids: np.ndarray, attention_mask: np.ndarray, batch_size: int = 8,
-            self_first: Iterable[int] = ()) -> Captured:
+            self_first: Iterable[int] = (), sources: bool = False) -> Captured:
     """The whole sample's states in memory ([L+1, n_seq, seq_len, d]), with the self-and-first block
     outputs of the layers in `self_first`: for notebooks, tests and small samples. The pipeline
     streams with `capture_batches` instead."""
-    batches = list(capture_batches(lm, input_ids, attention_mask, batch_size, self_first=self_first))
+    batches = list(capture_batches(lm, input_ids, attention_mask, batch_size, self_first=self_first, sources=sources))
     states = np.concatenate([b.states for b in batches], axis=1)
     alone = {layer: np.concatenate([b.self_first[layer] for b in batches]) for layer in batches[0].self_first}
+    found = {layer: concat_sources([b.sources[layer] for b in batches]) for layer in batches[0].sources}
     return Captured(states=states, input_ids=input_ids, attention_mask=attention_mask,
-                    block_returns_tuple=batches[-1].block_returns_tuple, self_first=alone)
+                    block_returns_tuple=batches[-1].block_returns_tuple, self_first=alone, sources=found)
 
 
 def kept_mask(attention_mask: np.ndarray, skip_first_position: bool) -> np.ndarray:

@@ -20,6 +20,8 @@ from updatelens.findings import GEOMETRY_STATISTIC_DEFS, RANK_DEFS, SPLIT_STATIS
 
 VECTOR = "vector"  # FixedSizeList<float32>[d_model]
 NEIGHBOURS = "neighbours"  # FixedSizeList<int32>[k]
+FLOATS = "floats"  # FixedSizeList<float32>[n]: a few numbers per row, n fixed by the model (its heads, say)
+INTS = "ints"  # FixedSizeList<int32>[n]
 
 
 class SchemaError(ValueError):
@@ -29,7 +31,7 @@ class SchemaError(ValueError):
 @dataclass(frozen=True)
 class Column:
     name: str
-    type: pa.DataType | str  # an Arrow type, or VECTOR / NEIGHBOURS (fixed-size lists sized by model and k)
+    type: pa.DataType | str  # an Arrow type, or VECTOR / NEIGHBOURS / FLOATS / INTS (fixed-size lists)
     description: str
 
 
@@ -92,6 +94,24 @@ def _bootstrap_geometry() -> list[Column]:
     return out
 
 
+_NULL_WITHOUT = " (null where y_ctl is)"
+# where a = y - y_ctl comes from, per token (updatelens.context_sources; heads H, distance bins 1, 2-4, 5-16, >16)
+_SOURCE_COLUMNS: tuple[Column, ...] = (
+    _c("ctx_head_dot", FLOATS, "per head h, <a_h, a>: a_h = y_h - y_ctl, y_h the block with head h attending as in the "
+                               "model and the others to themselves and the first position" + _NULL_WITHOUT),
+    _c("ctx_head_norm", FLOATS, "per head h, ||a_h||" + _NULL_WITHOUT),
+    _c("ctx_dist_dot", FLOATS, "per source-distance bin (1, 2-4, 5-16, >16 positions back), <c_d, a>: c_d what the "
+                               "bin's sources add to the nearer ones (the context restored nearest first; the c_d "
+                               "add up to a)" + _NULL_WITHOUT),
+    _c("ctx_dist_norm", FLOATS, "per source-distance bin, ||c_d||" + _NULL_WITHOUT),
+    _c("attn_mass", FLOATS, "per head (head-major), its attention mass on the first position, itself and the sources "
+                            "1, 2-4, 5-16, >16 positions back: 6 numbers a head, each head's adding up to 1"
+       + _NULL_WITHOUT),
+    _c("top_source_pos", INTS, "the 3 positions (not the first, not the token's) with the most attention averaged "
+                               "over heads, most first; -1 where fewer exist" + _NULL_WITHOUT),
+    _c("top_source_weight", FLOATS, "their head-mean attention (0 where top_source_pos is -1)" + _NULL_WITHOUT),
+)
+
 CONTROL = _c("control", STR, "the target that replaced the real y: a positive control, tokenwise by "
                             "construction (self_first: block l with each token attending to itself and the "
                             "window's first position; linear: x + xB fitted without the token's document), or "
@@ -119,7 +139,8 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                                      "architecture has no attention or the control was not asked for)"),
                 _c("y_lin", VECTOR, "x + xB: the linear control's target, B one ridge map of the layer fitted on "
                                     "held-out windows (documents outside the sample; null where the control is not "
-                                    "made)")]
+                                    "made)"),
+                *_SOURCE_COLUMNS]
     elif table == "tokens":
         body = [SEQ, POS, _c("token_id", I64, "input token id"), _c("token", STR, "the token's text"),
                 _c("context", STR, "a short left context ending with the token")]
@@ -216,6 +237,22 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
     elif table == "context_split_bootstrap":
         body = [_c("replicate", I32, "bootstrap resample over documents (0 .. bootstrap-1)"),
                 *(_c(name, F64, f"{how} of {column} on the resample") for name, column, how in SPLIT_STATISTICS)]
+    elif table == "context_heads":
+        body = [_c("kind", STR, "head: one attention head's context restored alone; together: what the heads add only "
+                                "together (1 less the heads' shares); distance: what the sources of one distance bin "
+                                "add to the nearer ones (the context restored nearest first; these add up to a)"),
+                _c("source", STR, "the head's number, 'all heads', or the bin: 1, 2-4, 5-16, >16 positions back"),
+                _c("idx", I32, "the head's or the bin's index (-1 for together)"),
+                _c("share", F64, "the share of a = y - y_ctl along the source's part: <part, a> / ||a||^2, both summed "
+                                 "over the layer's kept tokens"),
+                _c("share_lo", F64, "its 2.5 % quantile over the document resamples"),
+                _c("share_hi", F64, "its 97.5 % quantile over the document resamples"),
+                _c("norm_ratio", F64, "sqrt(sum ||part||^2 / sum ||a||^2) (null for together)"),
+                _c("mass", F64, "attention mass on the source, mean over kept tokens: a head's on the context (neither "
+                                "the first position nor itself); a bin's, mean over heads (null for together)"),
+                _c("mass_first", F64, "a head's attention mass on the window's first position (null for the others)"),
+                _c("mass_self", F64, "a head's attention mass on the token itself (null for the others)"),
+                _c("n_tokens", I32, "kept tokens measured")]
     elif table == "calibration":
         body = [_c("n_tokens", I32, "kept tokens of the sample size (the first n_seq windows)"),
                 _c("n_seq", I32, "windows of the sample size"), FN_CLASS,
@@ -254,6 +291,9 @@ def _parsed_config(config_json: str) -> AnalysisConfig:
 def _matches(declared: pa.DataType | str, found: pa.DataType, cfg: AnalysisConfig | None) -> bool:
     if declared == VECTOR:
         return pa.types.is_fixed_size_list(found) and found.value_type == pa.float32() and found.list_size > 0
+    if declared in (FLOATS, INTS):
+        return (pa.types.is_fixed_size_list(found) and found.list_size > 0
+                and found.value_type == (pa.float32() if declared == FLOATS else pa.int32()))
     if declared == NEIGHBOURS:
         return (pa.types.is_fixed_size_list(found) and found.value_type == pa.int32()
                 and (cfg is None or found.list_size == cfg.k))

@@ -45,7 +45,7 @@ STAGES: tuple[Stage, ...] = (
           "energies on the top-m tokenwise subspace; per layer: singular spectra (table `spectra`) and the "
           "findings' statistics on bootstrap resamples (`geometry_bootstrap`).", ("activations", "local_fits")),
     Stage("controls", "calibration", ("control_geometry", "control_spectra", "control_geometry_bootstrap",
-                                      "context_split", "context_split_bootstrap"), False,
+                                      "context_split", "context_split_bootstrap", "context_heads"), False,
           ("controls_valid",), ("parquet",),
           "Positive controls: the same classes, fitted on the same neighbours, to targets that are tokenwise "
           "by construction (block l with each token attending to itself and the window's first position; a "
@@ -54,7 +54,8 @@ STAGES: tuple[Stage, ...] = (
           "target `unrelated` (each x paired with another document's update): what it shows when nothing "
           "tokenwise is there, finding 1's null. Tables "
           "`context_split` and `context_split_bootstrap`: the exact split y = y_ctl + a of every update by the "
-          "self-and-first block.", ("activations", "local_fits"), may_be_empty=True),
+          "self-and-first block; `context_heads`: where a comes from, per attention head and source distance.",
+          ("activations", "local_fits"), may_be_empty=True),
     Stage("functional_metrics", "analysis", ("functional_metrics", "functional_summary", "functional_bootstrap"),
           True, ("functional_valid",), ("pytorch", "parquet"),
           "Per token KL of the next-token distribution when block l's output is replaced by T(h_l) (residual "

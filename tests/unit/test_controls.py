@@ -68,7 +68,7 @@ def assert_tokenwise(lm: LoadedModel, x: np.ndarray, layers: list[int]) -> None:
         assert out.shape == states[layer + 1].shape and np.isfinite(out).all()
         assert not np.allclose(out, states[layer + 1], atol=1e-4)  # the real block mixes tokens
         shuffled[layer], sources[layer] = shuffle_within_positions(states[layer], layer)
-    again = self_first_outputs(lm, shuffled, calls)
+    again, _ = self_first_outputs(lm, shuffled, calls)
     t = x.shape[1]
     for layer in layers:
         np.testing.assert_allclose(again[layer], alone[layer][sources[layer], np.arange(t)[None, :]],

@@ -8,9 +8,11 @@ import pyarrow as pa
 
 from updatelens.capture import Captured, capture_batches, kept_mask
 from updatelens.config import AnalysisConfig
+from updatelens.context_sources import SourceAttribution
 from updatelens.corpus import Sample
 from updatelens.linear_control import HeldOutMaps, linear_outputs
 from updatelens.models import LoadedModel
+from updatelens.steps.layer import source_columns
 from updatelens.tables import Provenance, vector_column, with_provenance
 
 
@@ -35,12 +37,15 @@ def provenance(lm: LoadedModel, sample: Sample, cfg: AnalysisConfig) -> Provenan
 
 def activation_rows(states: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray, layer: int,
                     cfg: AnalysisConfig, prov: Provenance, docs: np.ndarray, seq_offset: int = 0,
-                    self_first: np.ndarray | None = None, linear_map: np.ndarray | None = None) -> pa.Table:
+                    self_first: np.ndarray | None = None, linear_map: np.ndarray | None = None,
+                    sources: SourceAttribution | None = None) -> pa.Table:
     """Transition l for a batch of sequences: x = h_l, y = h_{l+1}, every position (kept flags the
     ones in statistics). `states` [L+1, b, T, d]; the rows are sequences seq_offset.. of the sample,
     `docs` [b] the document each was cut from; `self_first` [b, T, d]: block l with each token
     attending to itself and the window's first position (null where not made: an architecture without attention, or not asked);
-    `linear_map` [d, d]: the linear control's B, fitted on held-out windows (`y_lin` = x + xB; null where not made)."""
+    `linear_map` [d, d]: the linear control's B, fitted on held-out windows (`y_lin` = x + xB; null where not made);
+    `sources`: where the context part a = y - y_ctl comes from (`ctx_*`, `attn_mass`, `top_source_*`; null where
+    not made)."""
     n_seq, seq_len = input_ids.shape
     kept = kept_mask(attention_mask, cfg.skip_first_position)
     d = states.shape[-1]
@@ -57,6 +62,7 @@ def activation_rows(states: np.ndarray, input_ids: np.ndarray, attention_mask: n
                    else pa.nulls(n_seq * seq_len, pa.list_(pa.float32(), d))),
         "y_lin": (vector_column(linear_outputs(states[layer].reshape(-1, d), linear_map)) if linear_map is not None
                   else pa.nulls(n_seq * seq_len, pa.list_(pa.float32(), d))),
+        **source_columns(sources, n_seq * seq_len),
     }
     return with_provenance(cols, prov, layer)
 
@@ -87,4 +93,4 @@ def activations_table(cap: Captured, layer: int, cfg: AnalysisConfig, prov: Prov
     """Transition l of a whole in-memory capture (notebooks, tests); `docs`: the sample's doc_index;
     `linear_map`: the linear control's B for this layer (`held_out_maps`)."""
     return activation_rows(cap.states, cap.input_ids, cap.attention_mask, layer, cfg, prov, docs,
-                           self_first=cap.self_first.get(layer), linear_map=linear_map)
+                           self_first=cap.self_first.get(layer), linear_map=linear_map, sources=cap.sources.get(layer))

@@ -7,7 +7,8 @@ exactly tokenwise (y_ctl, captured with the activations), and
 a being what attention to the rest of the context adds, token by token, with no estimator. Per kept
 token: the norms, the ratios to ‖Δ_full‖ and the cosines between Δ_full, Δ_ctl and a; per layer,
 their medians on every bootstrap resample of the documents (the findings' resamples), so each has an
-interval (view `context_split_summary`)."""
+interval (view `context_split_summary`); per head and per source distance, where a comes from
+(`context_heads_table`, from what the capture measured: `updatelens.context_sources`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pyarrow as pa
 
 from updatelens.bootstrap import geometry_replicates
 from updatelens.config import AnalysisConfig
+from updatelens.context_sources import DISTANCE_LABELS
 from updatelens.findings import SPLIT_STATISTICS
 from updatelens.geometry import EPS, cosine
 from updatelens.steps.layer import LayerData, resample_counts, sample_docs
@@ -49,3 +51,62 @@ def context_split_tables(data: LayerData, y_ctl: np.ndarray, cfg: AnalysisConfig
     resampled = {"replicate": pa.array(np.arange(cfg.bootstrap), pa.int32())}
     resampled.update({name: pa.array(values, pa.float64()) for name, values in replicates.items()})
     return tokens, with_provenance(resampled, prov, data.layer)
+
+
+def _ratio_with_interval(per_seq: np.ndarray, total: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Ratios of sums Σ per_seq / Σ total over the sequences ([n_seq, m] and [n_seq]), and their 2.5 % and
+    97.5 % quantiles over the resamples (`counts` [B, n_seq]; NaN without resamples)."""
+    point = per_seq.sum(0) / max(float(total.sum()), EPS)
+    if len(counts) == 0:
+        nan = np.full(per_seq.shape[1], np.nan)
+        return point, nan, nan
+    resampled = (counts @ per_seq) / np.maximum(counts @ total, EPS)[:, None]  # [B, m]
+    return point, np.quantile(resampled, 0.025, axis=0), np.quantile(resampled, 0.975, axis=0)
+
+
+def context_heads_table(data: LayerData, y_ctl: np.ndarray, cfg: AnalysisConfig, prov: Provenance) -> pa.Table:
+    """Where a layer's context part a = y - y_ctl comes from (`context_sources`), over its kept tokens:
+    one row per attention head (kind `head`: the share of a along the head's context restored alone,
+    <a_h, a> summed over tokens / ||a||^2 summed; the head's attention mass on the context, the first
+    position and itself), one for what the heads add only together (kind `together`: 1 less the
+    heads' shares), and one per source-distance bin (kind `distance`: the share of what the bin's sources
+    add to the nearer ones, these shares adding up to 1; the heads' mean attention mass on the bin).
+    Intervals: the 2.5 % and 97.5 % quantiles over the findings' document resamples."""
+    src = data.sources
+    if src is None:
+        raise ValueError(f"layer {data.layer}: the activations hold no context sources (ctx_head_dot ...); rerun the "
+                         f"activations stage")
+    kept = data.kept
+    a = data.y_full.astype(np.float64) - y_ctl.astype(np.float64)
+    energy = np.where(kept, np.einsum("std,std->st", a, a), 0.0)  # [n_seq, T]
+    counts = resample_counts(cfg, sample_docs(data)) if cfg.bootstrap else np.zeros((0, kept.shape[0]))
+
+    def per_seq(values: np.ndarray) -> np.ndarray:  # [n_seq, T, m] -> kept tokens' sums per sequence [n_seq, m]
+        return np.where(kept[..., None], values.astype(np.float64), 0.0).sum(1)
+
+    total = energy.sum(1)
+    head_share = _ratio_with_interval(per_seq(src.head_dot), total, counts)
+    head_sq = _ratio_with_interval(per_seq(src.head_norm.astype(np.float64) ** 2), total, counts)[0]
+    together = _ratio_with_interval(total[:, None] - per_seq(src.head_dot).sum(1, keepdims=True), total, counts)
+    dist_share = _ratio_with_interval(per_seq(src.dist_dot), total, counts)
+    dist_sq = _ratio_with_interval(per_seq(src.dist_norm.astype(np.float64) ** 2), total, counts)[0]
+    n = int(kept.sum())
+    mass = src.mass[kept].astype(np.float64).mean(0) if n else np.full(src.mass.shape[2:], np.nan)  # [H, 6]
+    heads = src.n_heads
+    bins = len(DISTANCE_LABELS)
+    kinds = ["head"] * heads + ["together"] + ["distance"] * bins
+    sources = [str(h) for h in range(heads)] + ["all heads"] + list(DISTANCE_LABELS)
+    index = list(range(heads)) + [-1] + list(range(bins))
+    nan = np.full(1, np.nan)
+    columns: dict[str, pa.Array] = {
+        "kind": pa.array(kinds, pa.string()), "source": pa.array(sources, pa.string()),
+        "idx": pa.array(index, pa.int32()),
+        **{name: pa.array(np.concatenate([head_share[i], together[i], dist_share[i]]), pa.float64())
+           for i, name in enumerate(("share", "share_lo", "share_hi"))},
+        "norm_ratio": pa.array(np.sqrt(np.concatenate([head_sq, nan, dist_sq])), pa.float64()),
+        "mass": pa.array(np.concatenate([mass[:, 2:].sum(1), nan, mass[:, 2:].mean(0)]), pa.float64()),
+        "mass_first": pa.array(np.concatenate([mass[:, 0], nan, np.full(bins, np.nan)]), pa.float64()),
+        "mass_self": pa.array(np.concatenate([mass[:, 1], nan, np.full(bins, np.nan)]), pa.float64()),
+        "n_tokens": pa.array([n] * len(kinds), pa.int32()),
+    }
+    return with_provenance(columns, prov, data.layer)

@@ -37,14 +37,15 @@ from updatelens.fits import LayerFit, fit_layer
 from updatelens.linear_control import made_controls
 from updatelens.schemas import empty_table
 from updatelens.stages import BY_NAME
-from updatelens.steps.context_split import context_split_tables
+from updatelens.steps.context_split import context_heads_table, context_split_tables
 from updatelens.steps.geometry import geometry_tables
 from updatelens.steps.layer import LayerData
 from updatelens.tables import Provenance
 
-CONTROL_TABLES = BY_NAME["controls"].tables  # control_geometry, control_spectra, control_geometry_bootstrap, context_split*
+CONTROL_TABLES = BY_NAME["controls"].tables  # control_geometry, control_spectra, control_geometry_bootstrap, context_*
 MEASURED_TABLES = CONTROL_TABLES[:3]  # the geometry stage's tables, per control
-SPLIT_TABLES = CONTROL_TABLES[3:]  # the exact split by the self-and-first block
+SPLIT_TABLES = CONTROL_TABLES[3:5]  # the exact split by the self-and-first block
+SOURCES_TABLE = CONTROL_TABLES[5]  # where its context part comes from, per head and source distance
 
 
 NULL_TARGET = "unrelated"  # the findings' fitted null (updatelens.findings.Finding.null_target)
@@ -153,6 +154,8 @@ def control_layer_tables(data: LayerData, y_ctl: np.ndarray | None, neighbours: 
         log(f"layer {data.layer}: the exact split measured")
         for name, part in zip(SPLIT_TABLES, context_split_tables(data, y_ctl, cfg, prov)):
             made[name].append(part)
+        if data.sources is not None:
+            made[SOURCES_TABLE].append(context_heads_table(data, y_ctl, cfg, prov))
     return {name: pa.concat_tables(parts) if parts else empty_table(name, cfg) for name, parts in made.items()}
 
 

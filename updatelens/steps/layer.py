@@ -13,6 +13,7 @@ from updatelens.bootstrap import (
     sequence_counts,
 )
 from updatelens.config import AnalysisConfig
+from updatelens.context_sources import SourceAttribution
 from updatelens.tables import to_matrix
 
 
@@ -29,6 +30,7 @@ class LayerData:
     docs: np.ndarray | None = None  # [n_seq] the document of each sequence (None: each its own)
     y_ctl_full: np.ndarray | None = None  # [n_seq, T, d] the self-and-first output, where it was captured
     y_lin_full: np.ndarray | None = None  # [n_seq, T, d] the linear control's x + xB, where it was made
+    sources: SourceAttribution | None = None  # [n_seq, T, ...] where a = y - y_ctl comes from, where captured
 
     @property
     def x(self) -> np.ndarray:
@@ -76,7 +78,40 @@ def layer_data(table: pa.Table) -> LayerData:
                     if "y_ctl" in table.column_names and table["y_ctl"].null_count == 0 else None),
         y_lin_full=(to_matrix(table["y_lin"]).reshape(n_seq, seq_len, d)
                     if "y_lin" in table.column_names and table["y_lin"].null_count == 0 else None),
+        sources=stored_sources(table, n_seq, seq_len),
     )
+
+
+SOURCE_COLUMNS = ("ctx_head_dot", "ctx_head_norm", "ctx_dist_dot", "ctx_dist_norm", "attn_mass", "top_source_pos",
+                  "top_source_weight")  # the activations' columns of a SourceAttribution, in its fields' order
+
+
+def stored_sources(table: pa.Table, n_seq: int, seq_len: int) -> SourceAttribution | None:
+    """The activations' `ctx_*`, `attn_mass` and `top_source_*` columns (rows in (seq, pos) order) as a
+    SourceAttribution over the full grid; None where they were not captured (null)."""
+    if any(name not in table.column_names or table[name].null_count for name in SOURCE_COLUMNS):
+        return None
+    arrays: list[np.ndarray] = [
+        to_matrix(table[name], np.int32 if name == "top_source_pos" else np.float32).reshape(n_seq, seq_len, -1)
+        for name in SOURCE_COLUMNS]
+    heads = arrays[0].shape[-1]
+    arrays[4] = arrays[4].reshape(n_seq, seq_len, heads, -1)
+    return SourceAttribution(*arrays)
+
+
+def source_columns(sources: SourceAttribution | None, rows: int) -> dict[str, pa.Array]:
+    """The activations' columns of a batch's SourceAttribution ([b, T, ...], rows = b * T), or nulls."""
+    if sources is None:
+        return {name: pa.nulls(rows, pa.list_(pa.int32() if name == "top_source_pos" else pa.float32(), 1))
+                for name in SOURCE_COLUMNS}
+    out: dict[str, pa.Array] = {}
+    for name, values in zip(SOURCE_COLUMNS, (sources.head_dot, sources.head_norm, sources.dist_dot,
+                                             sources.dist_norm, sources.mass, sources.top_pos, sources.top_weight)):
+        flat = np.ascontiguousarray(values.reshape(rows, -1))
+        typ = pa.int32() if name == "top_source_pos" else pa.float32()
+        out[name] = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1).astype(typ.to_pandas_dtype()), typ),
+                                                      flat.shape[1])
+    return out
 
 
 @dataclass
