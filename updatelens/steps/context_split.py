@@ -64,6 +64,11 @@ def _ratio_with_interval(per_seq: np.ndarray, total: np.ndarray, counts: np.ndar
     return point, np.quantile(resampled, 0.025, axis=0), np.quantile(resampled, 0.975, axis=0)
 
 
+def _nullable(values: np.ndarray) -> pa.Array:
+    """float64 with null where a value does not apply (NaN here): a stored table compares equal to itself."""
+    return pa.array(values, pa.float64(), from_pandas=True)
+
+
 def context_heads_table(data: LayerData, y_ctl: np.ndarray, cfg: AnalysisConfig, prov: Provenance) -> pa.Table:
     """Where a layer's context part a = y - y_ctl comes from (`context_sources`), over its kept tokens:
     one row per attention head (kind `head`: the share of a along the head's context restored alone,
@@ -101,12 +106,12 @@ def context_heads_table(data: LayerData, y_ctl: np.ndarray, cfg: AnalysisConfig,
     columns: dict[str, pa.Array] = {
         "kind": pa.array(kinds, pa.string()), "source": pa.array(sources, pa.string()),
         "idx": pa.array(index, pa.int32()),
-        **{name: pa.array(np.concatenate([head_share[i], together[i], dist_share[i]]), pa.float64())
+        **{name: _nullable(np.concatenate([head_share[i], together[i], dist_share[i]]))
            for i, name in enumerate(("share", "share_lo", "share_hi"))},
-        "norm_ratio": pa.array(np.sqrt(np.concatenate([head_sq, nan, dist_sq])), pa.float64()),
-        "mass": pa.array(np.concatenate([mass[:, 2:].sum(1), nan, mass[:, 2:].mean(0)]), pa.float64()),
-        "mass_first": pa.array(np.concatenate([mass[:, 0], nan, np.full(bins, np.nan)]), pa.float64()),
-        "mass_self": pa.array(np.concatenate([mass[:, 1], nan, np.full(bins, np.nan)]), pa.float64()),
+        "norm_ratio": _nullable(np.sqrt(np.concatenate([head_sq, nan, dist_sq]))),
+        "mass": _nullable(np.concatenate([mass[:, 2:].sum(1), nan, mass[:, 2:].mean(0)])),
+        "mass_first": _nullable(np.concatenate([mass[:, 0], nan, np.full(bins, np.nan)])),
+        "mass_self": _nullable(np.concatenate([mass[:, 1], nan, np.full(bins, np.nan)])),
         "n_tokens": pa.array([n] * len(kinds), pa.int32()),
     }
     return with_provenance(columns, prov, data.layer)
