@@ -375,7 +375,7 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
     summary_cols = ["layer", "fn_class", "n_tokens", "rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median",
                     "frac_res_angle_gt60", "proj_full_m16", "proj_tok_m16", "proj_res_m16", "m90_tok", "kl_mean",
                     "spearman_relerr_kl", "kl_mean_random_control", "kl_mean_crude_control", "kl_mean_context",
-                    "spearman_ctx_kl", "kl_ratio_random",
+                    "spearman_ctx_kl", "kl_ratio_context_random", "kl_ratio_random",
                     "kl_later_mean", "kl_later_random_mean", "later_ratio_median", "spearman_kl_later"]
     config = json.loads(prov["config_json"])
 
@@ -507,6 +507,30 @@ def findings_pivot(findings: pl.DataFrame) -> pl.DataFrame:
     return thresholds.join(pivot, on="finding").sort("finding")
 
 
+CONTEXT_ACROSS_CAPTION = ("Left: per model, the median ||a|| / ||Δ_full|| (what attention to the context adds, "
+                          "relative to the update) and cos(Δ_full, Δ_ctl) (finding 1 on the exact split; 0.9 dotted) "
+                          "against normalised depth, with 95% bands over documents. Right: the share of a added by the "
+                          "previous token (solid) and by sources more than 16 positions back (dashed).")
+
+
+def _context_across(con: duckdb.DuckDBPyConnection, views: set[str], model: str, config_id: str) -> pl.DataFrame:
+    """One model's exact split per layer (`context_split_summary`) with its distance shares
+    (`context_heads`: share_d1, share_far), on normalised depth; empty where it has none."""
+    if "context_split_summary" not in views:
+        return pl.DataFrame()
+    split = _frame(con, "SELECT s.*, (SELECT any_value(model_layers) FROM context_split c WHERE c.model = s.model) "
+                        "AS model_layers FROM context_split_summary s WHERE model = ? AND config_id = ?",
+                   [model, config_id])
+    if split.is_empty():
+        return split
+    if "context_heads" in views:
+        far = _frame(con, "SELECT layer, max(CASE WHEN source = '1' THEN share END) AS share_d1, "
+                          "max(CASE WHEN source = '>16' THEN share END) AS share_far FROM context_heads "
+                          "WHERE model = ? AND config_id = ? AND kind = 'distance' GROUP BY layer", [model, config_id])
+        split = split.join(far, on="layer", how="left")
+    return split.with_columns(depth=pl.col("layer") / pl.max_horizontal(pl.col("model_layers") - 1, pl.lit(1)))
+
+
 def build_comparison(root: RootLike) -> Report:
     """`<root>/reports/_comparison/`: every model with results, side by side on normalised depth."""
     root = as_root(root)
@@ -515,9 +539,11 @@ def build_comparison(root: RootLike) -> Report:
             raise ReportError(f"no complete results are stored under {root}; materialize a model first")
         models = _frame(con, "SELECT DISTINCT model FROM layer_summary ORDER BY model")["model"].to_list()
         has_bands = "layer_bands" in _views(con)
-        parts, finding_parts, band_parts = [], [], []
+        parts, finding_parts, band_parts, context_parts = [], [], [], []
+        views = _views(con)
         for model in models:
             config_id, _ = _main_config(con, model)
+            context_parts.append(_context_across(con, views, model, config_id))
             findings = _frame(con, "SELECT * FROM findings WHERE model = ? AND config_id = ? AND estimator <> 'exact'",
                               [model, config_id])
             if findings.is_empty():
@@ -543,6 +569,8 @@ def build_comparison(root: RootLike) -> Report:
     bands = (pl.concat(band_parts, how="diagonal_relaxed").join(depths, on=["model", "layer"])
              if band_parts else pl.DataFrame())
     title = f"UpdateLens comparison: {len(parts)} model(s)"
+    context = pl.concat([c for c in context_parts if not c.is_empty()], how="diagonal_relaxed") \
+        if any(not c.is_empty() for c in context_parts) else pl.DataFrame()
 
     def fill(staging: Path) -> None:
         _png(fig.comparison_curves(summary, "per-layer curves on normalised depth", bands), staging / "comparison_curves.png")
@@ -558,6 +586,17 @@ def build_comparison(root: RootLike) -> Report:
             "ran with (a quantized file's type, dequantized).</p>"
             + html_table(findings.group_by("model", "config_id", "fn_class", "weights").agg().sort("model")),
         ]
+        if not context.is_empty():
+            _png(fig.context_across_models(context, "what attention to the context adds, on normalised depth"),
+                 staging / "context_across_models.png")
+            sections.append("<h2>What attention to the context adds</h2><p>Per model (attention models; Mamba has no "
+                            "such split), the exact split on normalised depth: the median ||a|| / ||Δ_full|| and "
+                            "cos(Δ_full, Δ_ctl) with their 95% bands over documents, and the share of a that the "
+                            "previous token and the sources more than 16 positions back add (the context restored "
+                            "nearest first). SQL: <code>SELECT * FROM context_split_summary</code>, <code>SELECT * "
+                            "FROM context_heads WHERE kind = 'distance'</code>.</p>"
+                            + _figure_section("context_across_models", CONTEXT_ACROSS_CAPTION,
+                                              staging / "context_across_models.png"))
         if not across.is_empty():
             sections.insert(1, "<h2>Model against model</h2><p>Each finding of one model minus the other's, with the "
                                "95% interval of the difference: resample by resample where both models sampled the "

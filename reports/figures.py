@@ -177,7 +177,8 @@ def controls(summary: pl.DataFrame, title: str, bands: pl.DataFrame | None = Non
     primary = summary.filter(pl.col("kl_mean_random_control").is_not_null()).sort("layer")
     for column, style, label in (("kl_mean_random_control", "k--", "random direction, same norm"),
                                  ("kl_mean_crude_control", "k:", "cruder tokenwise part, same residual"),
-                                 ("kl_mean_context", "g-.", "the context's part a removed (y -> y_ctl)")):
+                                 ("kl_mean_context", "g-.", "the context's part a removed (y -> y_ctl)"),
+                                 ("kl_mean_context_random", "g:", "a random move of ||a|| (a's shape)")):
         if column not in primary.columns:
             continue
         rows = primary.filter(pl.col(column).is_not_null())
@@ -298,6 +299,35 @@ def context_heads(heads: pl.DataFrame, title: str) -> Figure:
     right.set_title("per source distance (context restored nearest first)", fontsize=9)
     right.legend(fontsize=7, ncol=2)
     right.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def context_across_models(context: pl.DataFrame, title: str) -> Figure:
+    """Per model on normalised depth (`context_split_summary` rows with `depth`, and `share_d1`, `share_far`
+    from `context_heads` where stored): left, ||a|| / ||Δ_full|| and cos(Δ_full, Δ_ctl) medians with bands;
+    right, the previous token's and the far sources' shares of a."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4), constrained_layout=True)
+    cmap = plt.get_cmap("tab10")
+    for i, model in enumerate(context["model"].unique(maintain_order=True).to_list()):
+        rows = context.filter(pl.col("model") == model).sort("depth")
+        depth = rows["depth"].to_numpy()
+        for column, style, label in (("ctx_ratio_median", "o-", "||a|| / ||Δ_full||"),
+                                     ("cos_full_ctl_median", "s--", "cos(Δ_full, Δ_ctl)")):
+            left.plot(depth, rows[column].to_numpy(), style, ms=3, color=cmap(i % 10), label=f"{model}: {label}")
+            if f"{column}_lo" in rows.columns and rows[f"{column}_lo"].null_count() < len(rows):
+                left.fill_between(depth, rows[f"{column}_lo"].to_numpy().astype(float),
+                                  rows[f"{column}_hi"].to_numpy().astype(float), color=cmap(i % 10), alpha=0.15)
+        for column, style, label in (("share_d1", "o-", "previous token"), ("share_far", "s--", "> 16 back")):
+            if column in rows.columns and rows[column].null_count() < len(rows):
+                right.plot(depth, rows[column].to_numpy().astype(float), style, ms=3, color=cmap(i % 10),
+                           label=f"{model}: {label}")
+    left.axhline(0.9, color="k", ls=":", lw=1)
+    for ax, ylabel in ((left, "median over tokens"), (right, "share of a")):
+        ax.set_xlabel("normalised depth")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     return fig
 

@@ -141,6 +141,48 @@ def _(alt, catalog, fn_class, layer, mo, model, pl, root):
 
 
 @app.cell
+def _(alt, catalog, layer, mo, model, pl, root, views):
+    if {"context_heads", "context_split"} <= views:
+        _heads = catalog.query(root, "SELECT kind, source, share, share_lo, share_hi, mass FROM context_heads "
+                                     "WHERE model = $1 AND layer = $2 ORDER BY kind DESC, idx", [model.value, layer.value])
+        _split = catalog.query(
+            root, "SELECT s.seq, s.pos, t.token, t.context, s.ctx_ratio, a.top_source_pos, a.top_source_weight "
+                  "FROM context_split s JOIN tokens t USING (model, layer, seq, pos) "
+                  "JOIN activations a USING (model, layer, seq, pos) WHERE s.model = $1 AND s.layer = $2",
+            [model.value, layer.value])
+        _text = {(r["seq"], r["pos"]): r["token"] for r in catalog.query(
+            root, "SELECT seq, pos, token FROM tokens WHERE model = $1 AND layer = $2",
+            [model.value, layer.value]).iter_rows(named=True)}
+        _split = _split.with_columns(pl.Series("sources", [
+            ", ".join(f"{_text.get((r['seq'], p), '?')!r} ({w:.2f})" for p, w in
+                      zip(r["top_source_pos"] or [], r["top_source_weight"] or []) if p >= 0)
+            for r in _split.iter_rows(named=True)]))
+        _bars = (alt.Chart(_heads.filter(pl.col("kind") != "distance")).mark_bar()
+                 .encode(x=alt.X("source:N", title="head", sort=None), y=alt.Y("share:Q", title="share of a"),
+                         tooltip=["source", alt.Tooltip("share:Q", format=".3f"), alt.Tooltip("share_lo:Q", format=".3f"),
+                                  alt.Tooltip("share_hi:Q", format=".3f"), alt.Tooltip("mass:Q", format=".3f")])
+                 .properties(width=260, height=220))
+        _far = (alt.Chart(_heads.filter(pl.col("kind") == "distance")).mark_bar()
+                .encode(x=alt.X("source:N", title="positions back", sort=None), y=alt.Y("share:Q", title="share of a"),
+                        tooltip=["source", alt.Tooltip("share:Q", format=".3f"), alt.Tooltip("mass:Q", format=".3f")])
+                .properties(width=200, height=220))
+        _tokens = (alt.Chart(_split).mark_circle(size=16, opacity=0.5)
+                   .encode(x=alt.X("pos:Q", title="position"), y=alt.Y("ctx_ratio:Q", title="‖a‖ / ‖Δ_full‖"),
+                           tooltip=["token", "context", "sources", alt.Tooltip("ctx_ratio:Q", format=".3f"), "seq", "pos"])
+                   .properties(width=560, height=260))
+        _body = mo.vstack([mo.ui.altair_chart(_bars | _far),
+                           mo.md("Per token: hover to read it, its context and the three sources it attends to most "
+                                 "(averaged over heads, the first position and itself aside)."),
+                           mo.ui.altair_chart(_tokens)])
+    else:
+        _body = mo.md("No exact split here (an attention model's activations hold it).")
+    mo.vstack([mo.md(f"## Where the context part comes from at layer {layer.value}\nPer head, the share of a = y - "
+                     "y_ctl along the head's context restored alone (the rest: what heads add only together, row "
+                     "'all heads'); per source distance, what each distance adds to the nearer ones."), _body])
+    return
+
+
+@app.cell
 def _(catalog, mo, model, root, views):
     if "calibration" in views:
         _calibration = catalog.query(

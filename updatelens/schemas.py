@@ -209,7 +209,8 @@ def columns(table: str, cfg: AnalysisConfig | None = None) -> tuple[Column, ...]
                 _c("spearman_normres_kl_p", F64, "its p-value"),
                 _c("kl_ratio_random", F64, "median over tokens of KL(remove r) / KL(random perturbation of the "
                                            "same norm) at the same position (the patch of the random control's "
-                                           "class; NaN for other rows)"),
+                                           "class; on the context row, KL(remove a) / KL(context_random); NaN "
+                                           "for other rows)"),
                 _c("n_later", I32, "tokens whose effect on the later positions was measured"),
                 _c("kl_at_mean_on_later", F64, "mean over the same tokens of the KL at the patched position"),
                 _c("spearman_kl_later", F64, "Spearman correlation over them of the KL at the patched position "

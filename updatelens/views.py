@@ -72,6 +72,9 @@ SELECT model, layer, fn_class, config_id,
        max(CASE WHEN variant = 'crude' THEN kl_mean END) AS kl_mean_crude_control,
        max(CASE WHEN variant = 'context' THEN kl_mean END) AS kl_mean_context,
        max(CASE WHEN variant = 'context' THEN spearman_normres_kl END) AS spearman_ctx_kl,
+       max(CASE WHEN variant = 'context' THEN spearman_relerr_kl END) AS spearman_ctx_ratio_kl,
+       max(CASE WHEN variant = 'context_random' THEN kl_mean END) AS kl_mean_context_random,
+       max(CASE WHEN variant = 'context' THEN kl_ratio_random END) AS kl_ratio_context_random,
        max(CASE WHEN variant = 'random' THEN spearman_relerr_kl END) AS spearman_relerr_kl_null,
        max(CASE WHEN variant = 'random' THEN spearman_normres_kl END) AS spearman_normres_kl_null,
        max(CASE WHEN variant = 'patch' THEN kl_ratio_random END) AS kl_ratio_random,
@@ -86,6 +89,7 @@ GROUP BY model, layer, fn_class, config_id
 
 FUNCTIONAL_COLUMNS = ("kl_mean", "kl_median", "spearman_relerr_kl", "spearman_normres_kl",
                       "kl_mean_random_control", "kl_mean_crude_control", "kl_mean_context", "spearman_ctx_kl",
+                      "spearman_ctx_ratio_kl", "kl_mean_context_random", "kl_ratio_context_random",
                       "spearman_relerr_kl_null",
                       "spearman_normres_kl_null", "kl_ratio_random", "kl_later_mean", "kl_at_mean_on_later",
                       "spearman_kl_later", "kl_later_random_mean", "later_ratio_median")

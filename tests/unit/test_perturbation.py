@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 import pytest
 import torch
 
-from updatelens.bootstrap import sequence_counts
+from updatelens.bootstrap import paired_ratio, sequence_counts
 from updatelens.capture import block_output_is_tuple, capture, first_tensor, kept_mask
 from updatelens.config import AnalysisConfig
 from updatelens.corpus import Sample
@@ -31,10 +31,12 @@ from updatelens.steps.functional_metrics import (
     functional_bootstrap_table,
     functional_rows,
     functional_tables,
+    functional_tables_from_rows,
     later_positions,
     patched_pass_count,
 )
 from updatelens.steps.layer import LayerData
+from updatelens.tables import Provenance
 
 SLUGS = ["tiny-gpt2", "tiny-llama", "tiny-neox", "tiny-mamba"]
 
@@ -401,6 +403,18 @@ def test_the_context_control_removes_the_exact_splits_context_part(tiny_models: 
     np.testing.assert_allclose(row["norm_res"], a, rtol=1e-5)
     np.testing.assert_allclose(row["rel_err"], a / full, rtol=1e-5)
     assert np.all(np.asarray(row["kl"]) > 0)
+    # its random move: as far as a, in a's span (a's shape), its KL the ratio's denominator
+    (moved,) = [v for v in build_variants(data, fits, cfg) if v.name == "context_random"]
+    move = moved.state[kept] - y_full[kept]
+    np.testing.assert_allclose(np.linalg.norm(move, axis=1), a, rtol=1e-5)
+    assert not np.allclose(move, y_ctl[kept] - y_full[kept], atol=1e-3)
+    random_row = rows[("context_random", cfg.primary_class)]
+    np.testing.assert_allclose(random_row["norm_res"], a, rtol=1e-5)
+    summary = functional_tables_from_rows(list(rows.values()), cfg, Provenance.of("m", "r", "c", "s", cfg, 2, "w"),
+                                          layer)[1].to_pylist()
+    ratio = next(r["kl_ratio_random"] for r in summary if r["variant"] == "context")
+    want = np.nanmedian(paired_ratio(np.asarray(row["kl"]), np.asarray(random_row["kl"])))
+    assert ratio == pytest.approx(want, rel=1e-6)
     same = dataclasses.replace(data, y_ctl_full=y_full.copy())
     (none,) = [r for r in functional_rows(lm, same, fits, orig, cfg) if r["variant"] == "context"]
     assert np.max(np.asarray(none["kl"])) < 1e-6  # nothing removed: the model's own output

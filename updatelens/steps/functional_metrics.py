@@ -47,8 +47,9 @@ def patched_pass_count(cfg: AnalysisConfig) -> int:
     """How many patched versions of a layer's output the functional stage runs: one per class and
     one per control (each a forward pass from the layer on over every sequence), plus the unpatched
     stream the exact single-position effects run beside them (patch_mode "exact", and "auto" on the
-    attention models it resolves to "exact" for)."""
-    return len(cfg.classes) + len(control_plan(cfg)) + (cfg.patch_mode in ("auto", "exact"))
+    attention models it resolves to "exact" for); the context control brings its random move too."""
+    plan = control_plan(cfg)
+    return len(cfg.classes) + len(plan) + ("context" in plan) + (cfg.patch_mode in ("auto", "exact"))
 
 
 def residual_gram(data: LayerData, fit: LayerFit) -> np.ndarray:
@@ -57,12 +58,21 @@ def residual_gram(data: LayerData, fit: LayerFit) -> np.ndarray:
     return r.T @ r
 
 
+def context_gram(data: LayerData) -> np.ndarray:
+    """Σ a aᵀ over the kept tokens of `data` (a = y - y_ctl, the exact split's context part), float64 [d, d]."""
+    assert data.y_ctl_full is not None
+    a = data.y.astype(np.float64) - data.y_ctl_full[data.kept]
+    return a.T @ a
+
+
 def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConfig,
-                   move_shape: np.ndarray | None = None) -> list[Variant]:
+                   move_shape: np.ndarray | None = None, context_shape: np.ndarray | None = None) -> list[Variant]:
     """The main patch per class (y -> T(x) at kept positions) and the controls of `control_plan`. The
     random control moves each state as far as the patch does, in a random direction drawn in the shape of
     the residuals (N(0, Σ_r), `move_shape` a square root of Σ_r over the whole layer; None: over `data`),
-    so the move stays in the directions the residuals use (docs/method.md, "Nulls")."""
+    so the move stays in the directions the residuals use (docs/method.md, "Nulls"). The context control
+    (y -> y_ctl, a removed) comes with its own random move, `context_random`: each state moved ||a|| in a
+    random direction of a's shape (`context_shape`, over the whole layer; None: over `data`)."""
 
     def scatter(values: np.ndarray) -> np.ndarray:
         state = data.y_full.astype(np.float64).copy()
@@ -83,6 +93,13 @@ def build_variants(data: LayerData, fits: dict[str, LayerFit], cfg: AnalysisConf
             if data.y_ctl_full is None:
                 continue
             state = scatter(data.y_ctl_full[data.kept])
+            variants.append(Variant(name, cfg.primary_class, state))
+            y = data.y.astype(np.float64)
+            norm_ctx = np.linalg.norm(y - data.y_ctl_full[data.kept], axis=1)
+            shape = context_shape if context_shape is not None else update_shape(context_gram(data), len(y))
+            directions = shaped_directions(random_directions(data, cfg.seed + 1), shape)
+            variants.append(Variant("context_random", cfg.primary_class, scatter(y + norm_ctx[:, None] * directions)))
+            continue
         else:  # identity
             state = data.y_full.astype(np.float64)
         variants.append(Variant(name, cfg.primary_class, state))
@@ -124,11 +141,13 @@ FunctionalRows = list[dict[str, np.ndarray | str]]
 
 def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit], orig: OriginalOutput,
                     cfg: AnalysisConfig, returns_tuple: bool = False,
-                    positions: np.ndarray | None = None, move_shape: np.ndarray | None = None) -> FunctionalRows:
+                    positions: np.ndarray | None = None, move_shape: np.ndarray | None = None,
+                    context_shape: np.ndarray | None = None) -> FunctionalRows:
     """KL of every variant at the measured tokens of `data` (a layer, or a block of its sequences:
     `orig` covers the same sequences). `positions`: the sample's single-position pairs (patch_mode
-    "single"), in sample sequence numbers; `move_shape`: the random control's shape (`build_variants`)."""
-    variants = build_variants(data, fits, cfg, move_shape)
+    "single"), in sample sequence numbers; `move_shape`, `context_shape`: the random moves' shapes
+    (`build_variants`)."""
+    variants = build_variants(data, fits, cfg, move_shape, context_shape)
     mode = resolve_patch_mode(lm, cfg.patch_mode)
     if mode == "exact":  # every position's single-position effect, in one pass of 1 + len(variants) streams
         kls = all_single_position_kl(lm, data.input_ids, data.layer, variants, data.y_full, orig,
@@ -167,7 +186,7 @@ def functional_rows(lm: LoadedModel, data: LayerData, fits: dict[str, LayerFit],
     for variant, kl_grid in zip(variants, kls):
         # the error that goes with the KL: the fit's residual; for the context control, a (y - y_ctl)
         tx = fits[variant.fn_class].tx
-        if variant.name == "context":
+        if variant.name in ("context", "context_random"):  # its move is ||a|| long
             assert data.y_ctl_full is not None, "the context control is made only where y_ctl was captured"
             tx = data.y_ctl_full[data.kept]
         err = token_metrics(data.x[rows_in_kept], data.y[rows_in_kept], tx[rows_in_kept])
@@ -207,6 +226,7 @@ def stream_functional(lm: LoadedModel, input_ids: np.ndarray, kept: np.ndarray, 
     n_seq = len(input_ids)
     size = block.kl_block_size(vocab_size(lm))
     shapes = [_move_shape(m, read, n_seq, size) for m in measures]
+    context_shapes = [_context_shape(m, read, n_seq, size) for m in measures]
     with progress(label, n_seq * len(measures), "seq x layer") as bar:
         for lo in range(0, n_seq, size):
             hi = min(n_seq, lo + size)
@@ -218,7 +238,7 @@ def stream_functional(lm: LoadedModel, input_ids: np.ndarray, kept: np.ndarray, 
                 for i, measure in enumerate(measures):
                     if measure.layer == layer:
                         rows[i] += functional_rows(lm, data, measure.fits(data, lo, hi), orig, measure.cfg,
-                                                   returns_tuple, positions[i], shapes[i])
+                                                   returns_tuple, positions[i], shapes[i], context_shapes[i])
                         bar.update(hi - lo)
                 if lo == 0 and first_block is not None:
                     first_block(layer, data)
@@ -242,6 +262,23 @@ def _move_shape(measure: Measure, read: Callable[[int, int, int], LayerData], n_
     return update_shape(gram, count) if gram is not None else None
 
 
+def _context_shape(measure: Measure, read: Callable[[int, int, int], LayerData], n_seq: int,
+                   size: int) -> np.ndarray | None:
+    """The context control's random move's shape: a square root of the second moment of a = y - y_ctl over
+    the whole layer, read block by block; None where no context control is made (not asked, or no y_ctl)."""
+    if "context" not in control_plan(measure.cfg):
+        return None
+    gram, count = None, 0
+    for lo in range(0, n_seq, size):
+        data = read(measure.layer, lo, min(n_seq, lo + size))
+        if data.y_ctl_full is None:
+            return None
+        part = context_gram(data)
+        gram = part if gram is None else gram + part
+        count += len(data.seq)
+    return update_shape(gram, count) if gram is not None else None
+
+
 def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov: Provenance,
                                 layer: int) -> tuple[pa.Table, pa.Table]:
     """Per-token and per-layer tables from the rows of every block (concatenated per variant)."""
@@ -256,7 +293,8 @@ def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov:
         mode = str(parts[0].get("patch_mode", cfg.patch_mode))  # as measured ("auto" resolved per model)
         col = columns[(fn_class, name)]
         kl = col["kl"]
-        ratio = _ratio_to_random(columns, fn_class) if name == "patch" else None
+        ratio = (_ratio_to_random(columns, fn_class) if name == "patch"
+                 else _ratio_to_random(columns, fn_class, "context", "context_random") if name == "context" else None)
         n = len(kl)
         token_parts.append(with_provenance({
             "fn_class": pa.array([fn_class] * n),
@@ -318,10 +356,12 @@ def later_statistics(later: np.ndarray, later_random: np.ndarray, weights: np.nd
             "later_ratio_median": median_ratio(paired_ratio(later, later_random), weights)}
 
 
-def _ratio_to_random(columns: dict[tuple[str, str], dict[str, np.ndarray]], fn_class: str) -> np.ndarray | None:
+def _ratio_to_random(columns: dict[tuple[str, str], dict[str, np.ndarray]], fn_class: str, moved: str = "patch",
+                     control: str = "random") -> np.ndarray | None:
     """Per token, KL(remove r) / KL(the random perturbation of the same norm) for the class the random
-    control was made for (None for the others): both measured at the same positions, in the same order."""
-    patch, random = columns[(fn_class, "patch")], columns.get((fn_class, "random"))
+    control was made for (None for the others): both measured at the same positions, in the same order.
+    With `moved` "context" and `control` "context_random": KL(remove a) / KL(a random move of ||a||)."""
+    patch, random = columns[(fn_class, moved)], columns.get((fn_class, control))
     if random is None:
         return None
     if not (np.array_equal(patch["seq"], random["seq"]) and np.array_equal(patch["pos"], random["pos"])):
