@@ -291,7 +291,8 @@ def context_heads(heads: pl.DataFrame, title: str) -> Figure:
         right.bar(range(len(layers)), share, bottom=bottom, color=colour, label=f"{label} back")
         mass = np.array([mine.filter(pl.col("layer") == v)["mass"].item() if v in mine["layer"] else np.nan
                          for v in layers])
-        right.plot(range(len(layers)), mass, "o", ms=3, color=colour, markeredgecolor="k", markeredgewidth=0.4)
+        right.plot(np.arange(len(layers)) + 0.3, mass, "D", ms=6, color=colour, markeredgecolor="k",
+                   markeredgewidth=0.8, zorder=3)
         bottom = bottom + share
     right.set_xticks(range(0, len(layers), step), [str(v) for v in layers[::step]])
     right.set_xlabel("layer")
