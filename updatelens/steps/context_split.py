@@ -53,10 +53,15 @@ def context_split_tables(data: LayerData, y_ctl: np.ndarray, cfg: AnalysisConfig
     return tokens, with_provenance(resampled, prov, data.layer)
 
 
+def _ratio(per_seq: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """Ratios of sums Σ per_seq / Σ total over the sequences ([n_seq, m] and [n_seq])."""
+    return per_seq.sum(0) / max(float(total.sum()), EPS)
+
+
 def _ratio_with_interval(per_seq: np.ndarray, total: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Ratios of sums Σ per_seq / Σ total over the sequences ([n_seq, m] and [n_seq]), and their 2.5 % and
-    97.5 % quantiles over the resamples (`counts` [B, n_seq]; NaN without resamples)."""
-    point = per_seq.sum(0) / max(float(total.sum()), EPS)
+    """`_ratio`, and its 2.5 % and 97.5 % quantiles over the resamples (`counts` [B, n_seq]; NaN without
+    resamples)."""
+    point = _ratio(per_seq, total)
     if len(counts) == 0:
         nan = np.full(per_seq.shape[1], np.nan)
         return point, nan, nan
@@ -91,10 +96,10 @@ def context_heads_table(data: LayerData, y_ctl: np.ndarray, cfg: AnalysisConfig,
 
     total = energy.sum(1)
     head_share = _ratio_with_interval(per_seq(src.head_dot), total, counts)
-    head_sq = _ratio_with_interval(per_seq(src.head_norm.astype(np.float64) ** 2), total, counts)[0]
+    head_sq = _ratio(per_seq(src.head_norm.astype(np.float64) ** 2), total)
     together = _ratio_with_interval(total[:, None] - per_seq(src.head_dot).sum(1, keepdims=True), total, counts)
     dist_share = _ratio_with_interval(per_seq(src.dist_dot), total, counts)
-    dist_sq = _ratio_with_interval(per_seq(src.dist_norm.astype(np.float64) ** 2), total, counts)[0]
+    dist_sq = _ratio(per_seq(src.dist_norm.astype(np.float64) ** 2), total)
     n = int(kept.sum())
     mass = src.mass[kept].astype(np.float64).mean(0) if n else np.full(src.mass.shape[2:], np.nan)  # [H, 6]
     heads = src.n_heads

@@ -246,37 +246,41 @@ def stream_functional(lm: LoadedModel, input_ids: np.ndarray, kept: np.ndarray, 
     return rows
 
 
+def _layer_shape(measure: Measure, read: Callable[[int, int, int], LayerData], n_seq: int, size: int,
+                 gram: Callable[[LayerData, int, int], np.ndarray | None]) -> np.ndarray | None:
+    """A square root of a second moment over the whole layer (`gram(data, lo, hi)` of each block of
+    sequences, read block by block before the patched passes, so a token's move does not depend on how
+    the sample is cut into blocks); None where a block has none."""
+    total, count = None, 0
+    for lo in range(0, n_seq, size):
+        hi = min(n_seq, lo + size)
+        data = read(measure.layer, lo, hi)
+        part = gram(data, lo, hi)
+        if part is None:
+            return None
+        total = part if total is None else total + part
+        count += len(data.seq)
+    return update_shape(total, count) if total is not None else None
+
+
 def _move_shape(measure: Measure, read: Callable[[int, int, int], LayerData], n_seq: int,
                 size: int) -> np.ndarray | None:
-    """The random control's shape for one measure: a square root of the second moment of the primary
-    class's residuals over the whole layer, read block by block before the patched passes (so a token's
-    move does not depend on how the sample is cut into blocks); None where no random control is made."""
+    """The random control's shape for one measure: of the primary class's residuals over the whole layer;
+    None where no random control is made."""
     if "random" not in control_plan(measure.cfg):
         return None
-    gram, count = None, 0
-    for lo in range(0, n_seq, size):
-        data = read(measure.layer, lo, min(n_seq, lo + size))
-        part = residual_gram(data, measure.fits(data, lo, min(n_seq, lo + size))[measure.cfg.primary_class])
-        gram = part if gram is None else gram + part
-        count += len(data.seq)
-    return update_shape(gram, count) if gram is not None else None
+    return _layer_shape(measure, read, n_seq, size, lambda data, lo, hi: residual_gram(
+        data, measure.fits(data, lo, hi)[measure.cfg.primary_class]))
 
 
 def _context_shape(measure: Measure, read: Callable[[int, int, int], LayerData], n_seq: int,
                    size: int) -> np.ndarray | None:
-    """The context control's random move's shape: a square root of the second moment of a = y - y_ctl over
-    the whole layer, read block by block; None where no context control is made (not asked, or no y_ctl)."""
+    """The context control's random move's shape: of a = y - y_ctl over the whole layer; None where no
+    context control is made (not asked, or no y_ctl)."""
     if "context" not in control_plan(measure.cfg):
         return None
-    gram, count = None, 0
-    for lo in range(0, n_seq, size):
-        data = read(measure.layer, lo, min(n_seq, lo + size))
-        if data.y_ctl_full is None:
-            return None
-        part = context_gram(data)
-        gram = part if gram is None else gram + part
-        count += len(data.seq)
-    return update_shape(gram, count) if gram is not None else None
+    return _layer_shape(measure, read, n_seq, size,
+                        lambda data, lo, hi: context_gram(data) if data.y_ctl_full is not None else None)
 
 
 def functional_tables_from_rows(rows: FunctionalRows, cfg: AnalysisConfig, prov: Provenance,
