@@ -199,8 +199,11 @@ def attribute_sources(run: Callable[[torch.Tensor], np.ndarray], attention: nn.M
     dist_dot, dist_norm = np.empty((b, t, len(DISTANCE_BINS))), np.empty((b, t, len(DISTANCE_BINS)))
     before = np.zeros_like(a)  # a_{<= previous bin}: the context up to the previous bin's farthest source
     for i, (_, farthest) in enumerate(DISTANCE_BINS):
-        window = (run(in_model_form(ctl | (distance_allowed(t, 1, farthest, device) & full), boolean, dtype))
-                  .astype(np.float64) - y_ctl)
+        if farthest is None:  # every source restored: the model's own mask, whose output is y (checked below)
+            window = a
+        else:
+            window = (run(in_model_form(ctl | (distance_allowed(t, 1, farthest, device) & full), boolean, dtype))
+                      .astype(np.float64) - y_ctl)
         part = window - before  # what the sources of this bin add to the nearer ones (the last: a - a_{<= 16})
         dist_dot[..., i], dist_norm[..., i] = np.einsum("btd,btd->bt", part, a), np.linalg.norm(part, axis=-1)
         before = window
