@@ -16,7 +16,7 @@ import polars as pl
 import pyarrow as pa
 
 from updatelens import schemas
-from updatelens.assets import checks
+from updatelens.assets.check_catalog import Outcome, specs
 from updatelens.assets.partitions import MODEL_LAYER, group_keys
 from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.config import AnalysisConfig
@@ -265,7 +265,7 @@ def stage_asset(fn):
         deps=[dg.AssetKey(s.name) for s in upstream(stage.name)],
         pool=MODEL_POOL if stage.needs_model else None,
         op_tags=step_tags(needs_model=stage.needs_model),
-        check_specs=checks.specs(stage.name),
+        check_specs=specs(stage.name),
         description=stage.description,
         metadata={"dagster/column_schema": declared_schema(stage.tables[0]),
                   "dagster/table_name": stage.tables[0]},
@@ -345,12 +345,12 @@ class Finished:
     """What a stage hands its asset (stage_asset): the materialization's metadata and its checks."""
 
     materialization: dg.MaterializeResult
-    outcomes: list[checks.Outcome]
+    outcomes: list[Outcome]
     written: Written
 
 
 def finish(store: Store, cfg: AnalysisConfig, written: Written, extra: dict[str, object] | None = None,
-           outcomes: list[checks.Outcome] | None = None) -> Finished:
+           outcomes: list[Outcome] | None = None) -> Finished:
     """The stage's materialization. The run's last stage to finish first swaps what the run staged into
     place and refreshes the catalog's views (an earlier stage changed nothing they show)."""
     schema = column_schema(written.files[0], next(iter(written.rows)), cfg)  # read where it was written

@@ -17,7 +17,7 @@ import torch
 from upath import UPath
 
 from updatelens.analysis import held_out_sample, model_sample
-from updatelens.assets.checks import CheckSettings
+from updatelens.assets.check_catalog import CheckSettings
 from updatelens.config import AnalysisConfig, field_help, json_object_env
 from updatelens.corpus import Sample
 from updatelens.memory import release_free_memory

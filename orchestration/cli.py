@@ -1,6 +1,6 @@
 """`updatelens run | sql | verify | ui | notebook | report | sweep | converge | calibrate | worker`: the
 command line over the data product. This module parses the arguments and dispatches; the commands
-live in `commands.py`."""
+live in `commands.py` (those that compute) and `serving.py` (those that read or serve a root)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,8 @@ import sys
 
 from updatelens.config import field_help, flag_fields, settings_help
 from updatelens.memory import limit_malloc_arenas
-from updatelens.orchestration.commands import (
-    cmd_calibrate,
-    cmd_converge,
-    cmd_notebook,
-    cmd_report,
-    cmd_run,
-    cmd_sql,
-    cmd_sweep,
-    cmd_ui,
-    cmd_verify,
-    cmd_worker,
-)
+from updatelens.orchestration.commands import cmd_calibrate, cmd_converge, cmd_report, cmd_run, cmd_sweep, cmd_worker
+from updatelens.orchestration.serving import cmd_notebook, cmd_sql, cmd_ui, cmd_verify
 from updatelens.registry import DEFAULT_CORPUS, DEFAULT_MODEL
 from updatelens.sweep import DEFAULT_GRID, SWEEP_LAYERS
 

@@ -14,7 +14,7 @@ import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Generator, Iterator
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -112,10 +112,9 @@ def iter_embedded_wiki() -> Iterator[str]:
     info = path.stat()
     key = (path, info.st_size, info.st_mtime_ns)
     with _READ_LOCK:
-        if _READ.get("key") != key:  # first use, or the wheel was reinstalled
-            _READ.update(key=key, articles=[], source=_parse_embedded_wiki(path))
-        articles: list[str] = _READ["articles"]
-        source: Iterator[str] = _READ["source"]
+        if _READ.key != key:  # first use, or the wheel was reinstalled
+            _READ.key, _READ.articles, _READ.source = key, [], _parse_embedded_wiki(path)
+        articles, source = _READ.articles, _READ.source
     i = 0
     while True:
         with _READ_LOCK:
@@ -125,14 +124,23 @@ def iter_embedded_wiki() -> Iterator[str]:
                 except StopIteration:
                     return
                 except BaseException:  # a damaged file: the next reader starts over, and fails the same way
-                    _READ.clear()
+                    _READ.key = None
                     raise
             article = articles[i]
         yield article
         i += 1
 
 
-_READ: dict[str, object] = {}  # the cleaned articles read so far in this process, and the parse that goes on
+@dataclass
+class _ReadSoFar:
+    """The embedded dump's cleaned articles read so far in this process, and the parse that goes on."""
+
+    key: tuple[Path, int, int] | None = None  # the file, its size and mtime
+    articles: list[str] = field(default_factory=list)
+    source: Iterator[str] = field(default_factory=lambda: iter(()))
+
+
+_READ = _ReadSoFar()
 _READ_LOCK = threading.Lock()
 
 

@@ -16,8 +16,8 @@ import pytest
 
 from tests.pipeline.test_webserver import REPO, free_port, graphql, group_left, kill_group, start_webserver, wait_ready
 from updatelens.assets.partitions import model_keys
-from updatelens.orchestration.commands import location_name
 from updatelens.orchestration.runner import dagster_yaml
+from updatelens.orchestration.serving import location_name
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOTS = Path(os.environ.get("UPDATELENS_SCREENSHOTS", REPO / "data" / "ui-screenshots"))
