@@ -7,12 +7,11 @@ partitions are committed together when the capture has finished (none appears if
 
 from contextlib import ExitStack
 
-import dagster as dg
 import pyarrow as pa
 
 from updatelens.assets import checks
-from updatelens.assets.common import Finished, Written, each_model, finish, run_going, run_store, stage_asset
-from updatelens.assets.resources import UpdateLensResource, release_models
+from updatelens.assets.common import StageRun, run_going, stage_asset
+from updatelens.assets.resources import release_models
 from updatelens.capture import capture_batches, self_first_layers
 from updatelens.linear_control import made_controls
 from updatelens.preflight import check_data_root
@@ -20,30 +19,25 @@ from updatelens.steps.activations import activation_rows, held_out_maps, provena
 
 
 @stage_asset
-def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
-    cfg = lens.config()
-    store = run_store(context, lens.store)
+def activations(run: StageRun) -> None:
+    cfg, store, lens = run.cfg, run.store, run.lens
     check_data_root(store.root)
-    for name in store.clean_abandoned_staging(run_going(context.instance)):
-        context.log.info(f"removed staging dir {name} left by a crashed run")
-    written = Written()
-    valid: dict[str, checks.Verdict] = {}
-    matches: dict[str, checks.Verdict] = {}
-    d_model = 0
-    for model, layers in each_model(context, store):
+    for name in store.clean_abandoned_staging(run_going(run.context.instance)):
+        run.context.log.info(f"removed staging dir {name} left by a crashed run")
+    for model, layers in run.models():
         lm = lens.load(model)
         cfg.validate(d_model=lm.d_model, max_positions=lm.max_positions)
         bad = [layer for layer in layers if layer >= lm.n_layers]
         if bad:
             raise ValueError(f"{model} has {lm.n_layers} layers; partitions for layers {bad} cannot exist")
         sample = lens.sample(lm)
-        context.log.info(f"{model}: capturing {sample.slice_desc} ({lm.n_layers} blocks, d={lm.d_model})")
+        run.context.log.info(f"{model}: capturing {sample.slice_desc} ({lm.n_layers} blocks, d={lm.d_model})")
         prov = provenance(lm, sample, cfg)
         self_first = self_first_layers(lm, cfg.positive_controls, layers, sample.first_token)
         maps = {}
         if "linear" in made_controls(cfg.positive_controls, bool(self_first)):  # one map per layer, fitted outside the sample
             held_out = lens.held_out_sample(lm, sample)
-            context.log.info(f"{model}: fitting the linear control's map per layer on {held_out.slice_desc}")
+            run.context.log.info(f"{model}: fitting the linear control's map per layer on {held_out.slice_desc}")
             maps = held_out_maps(lm, held_out, layers, cfg)
         with ExitStack() as stack:
             sinks = {layer: stack.enter_context(store.partition("activations", model, layer).writer())
@@ -63,19 +57,15 @@ def activations(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> 
         heads = {}
         for layer in layers:
             acts, tokens = store.partition("activations", model, layer), store.partition("tokens", model, layer)
-            written.record(acts, sinks[layer].rows)
-            written.record(tokens, token_sinks[layer].rows)
-            written.note(model, layer, d_model=lm.d_model, n_tokens=sinks[layer].rows)
-            valid[f"{model}:{layer:02d}"] = verdict = checks.check_activations(acts.parts(), cfg, lm.d_model,
-                                                                                lens.checks)
+            run.written.record(acts, sinks[layer].rows)
+            run.written.record(tokens, token_sinks[layer].rows)
+            run.written.note(model, layer, d_model=lm.d_model, n_tokens=sinks[layer].rows)
+            verdict = run.judge("activations_valid", model, layer,
+                                checks.check_activations(acts.parts(), cfg, lm.d_model, lens.checks))
             verdict.merge(checks.check_tokens(tokens.read(), acts.read(["seq", "pos", "token_id"]), cfg))
             heads[layer] = acts.seqs(0, n_check)
         for layer, verdict in checks.check_against_hidden_states(lm, sample.input_ids, heads, lens.checks).items():
-            matches[f"{model}:{layer:02d}"] = verdict
-        d_model = lm.d_model
+            run.judge("activations_match_hidden_states", model, layer, verdict)
+        run.extra["d_model"] = lm.d_model
         del lm
     release_models()  # the stages until the patched passes need no model
-    return finish(store, cfg, written, extra={"d_model": d_model}, outcomes=[
-        checks.Outcome("activations", "activations_valid", valid, lens.checks),
-        checks.Outcome("activations", "activations_match_hidden_states", matches, lens.checks),
-    ])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -17,12 +16,14 @@ import pyarrow as pa
 
 from updatelens import schemas
 from updatelens.assets.check_catalog import Outcome, specs
+from updatelens.assets.expectations import Verdict
 from updatelens.assets.partitions import MODEL_LAYER, group_keys
+from updatelens.assets.resources import UpdateLensResource
 from updatelens.assets.routing import MODEL_POOL, step_tags
 from updatelens.config import AnalysisConfig
 from updatelens.fits import LayerFit
 from updatelens.memory import release_free_memory
-from updatelens.stages import BY_NAME, STAGE_NAMES, STAGE_OF_TABLE, upstream
+from updatelens.stages import BY_NAME, STAGE_NAMES, STAGE_OF_TABLE, Stage, upstream
 from updatelens.steps.geometry import BlockReader
 from updatelens.steps.layer import LayerData, Transition, layer_data, transition_from_parts
 from updatelens.steps.local_fits import fits_from_table
@@ -230,18 +231,21 @@ STAGE_AUTOMATION = (dg.AutomationCondition.in_latest_time_window()
                     & ~dg.AutomationCondition.in_progress()).with_label("after an upstream update")
 
 
-def stage_asset(fn):
+def stage_asset(fn: Callable[[StageRun], None]) -> dg.AssetsDefinition:
     """A stage's asset, from its description in updatelens.stages (the function's name is the
     stage's): (model, layer) partitions, single-run backfills (a model's key range runs in one
     process, also when declarative automation requests it), eager automation, the engine's code
     version, the stage's checks, the stages whose tables it reads, and where its step may run (a stage that holds
-    the model joins the `model` pool and goes to GPU workers: routing)."""
+    the model joins the `model` pool and goes to GPU workers: routing). The body `fn` gets the step as a
+    `StageRun`, writes its partitions and records each check's verdicts; the skeleton opens the run's view
+    of the root, and finishes: the materialization, each partition's figures, each check's evaluations."""
     stage = BY_NAME[fn.__name__]
 
-    @functools.wraps(fn)
-    def logged(context: dg.AssetExecutionContext, lens: object) -> Iterator[object]:
+    def logged(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Iterator[object]:
+        run = StageRun.open(context, lens, stage)
         with engine_logs(context.log):
-            done: Finished = fn(context, lens)
+            fn(run)
+            done = run.finish()
         # the materialization of every partition first, then each partition's own figures (an
         # observation of it) and each check's evaluation of each partition (the UI lists them by
         # partition); last the run's result of each check over its partitions (what a blocking check
@@ -254,6 +258,10 @@ def stage_asset(fn):
         for outcome in done.outcomes:
             yield outcome.result()
 
+    logged.__name__ = logged.__qualname__ = stage.name
+    # Dagster reads the parameters' types (the context's, and the resource's by its class); this module's
+    # annotations are strings (`from __future__ import annotations`)
+    logged.__annotations__ = {"context": dg.AssetExecutionContext, "lens": UpdateLensResource}
     return dg.asset(
         name=stage.name,
         partitions_def=MODEL_LAYER,
@@ -270,6 +278,50 @@ def stage_asset(fn):
         metadata={"dagster/column_schema": declared_schema(stage.tables[0]),
                   "dagster/table_name": stage.tables[0]},
     )(logged)
+
+
+@dataclass
+class StageRun:
+    """One stage's step as its body sees it (`stage_asset` opens and finishes it): the configuration,
+    the data root as this run sees it (`run_store`), what the step has written and each of the stage's
+    declared checks' verdicts by partition."""
+
+    context: dg.AssetExecutionContext
+    lens: UpdateLensResource
+    stage: Stage
+    cfg: AnalysisConfig
+    store: Store
+    written: Written = field(default_factory=Written)
+    verdicts: dict[str, dict[str, Verdict]] = field(default_factory=dict)  # check -> partition key -> verdict
+    extra: dict[str, object] = field(default_factory=dict)  # the materialization's own figures
+
+    @classmethod
+    def open(cls, context: dg.AssetExecutionContext, lens: UpdateLensResource, stage: Stage) -> StageRun:
+        return cls(context, lens, stage, lens.config(), run_store(context, lens.store),
+                   verdicts={name: {} for name in stage.checks})
+
+    def models(self) -> Iterator[tuple[str, list[int]]]:
+        """(model, layers) of this step, under the locks of those partitions (`each_model`)."""
+        return each_model(self.context, self.store)
+
+    def judge(self, check: str, model: str, layer: int, verdict: Verdict) -> Verdict:
+        """Record a check's verdict on one partition."""
+        if check not in self.verdicts:
+            raise KeyError(f"{check!r} is not a check of stage {self.stage.name} (updatelens.stages: "
+                           f"{', '.join(self.stage.checks)})")
+        self.verdicts[check][f"{model}:{layer:02d}"] = verdict
+        return verdict
+
+    def finish(self) -> Finished:
+        """The stage's materialization and its checks' outcomes; every declared check must have judged
+        every partition the step wrote (a check left out would otherwise pass, with nothing tested)."""
+        for check, verdicts in self.verdicts.items():
+            missing = sorted(set(self.written.per_partition) - set(verdicts))
+            if missing:
+                raise RuntimeError(f"stage {self.stage.name}: check {check} has no verdict on {', '.join(missing)}")
+        return finish(self.store, self.cfg, self.written, self.extra,
+                      [Outcome(self.stage.name, check, verdicts, self.lens.checks)
+                       for check, verdicts in self.verdicts.items()])
 
 
 def frame_table(frame: pl.DataFrame) -> dg.TableMetadataValue:

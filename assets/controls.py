@@ -11,8 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from updatelens.assets import checks
-from updatelens.assets.common import Finished, Written, check_upstream, each_model, finish, run_store, stage_asset
-from updatelens.assets.resources import UpdateLensResource
+from updatelens.assets.common import StageRun, check_upstream, stage_asset
 from updatelens.config import LOCAL_CLASSES
 from updatelens.linear_control import made_controls
 from updatelens.steps.controls import control_layer_tables, made_targets
@@ -38,12 +37,9 @@ def log_for(context: dg.AssetExecutionContext, model: str, message: str) -> None
 
 
 @stage_asset
-def controls(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
-    cfg = lens.config()
-    store = run_store(context, lens.store)
-    written = Written()
-    verdicts: dict[str, checks.Verdict] = {}
-    for model, layers in each_model(context, store):
+def controls(run: StageRun) -> None:
+    cfg, store = run.cfg, run.store
+    for model, layers in run.models():
         for layer in layers:
             prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg, "controls")
             check_upstream(store, "local_fits", model, layer, cfg)
@@ -55,15 +51,14 @@ def controls(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
                     data.y_full.shape)
             neighbours = stored_neighbours(store.partition("local_fits", model, layer).read(
                 ["fn_class", "seq", "pos", "neighbours"]), (data.seq, data.pos))
-            made = control_layer_tables(data, y_ctl, neighbours, cfg, prov, log=functools.partial(log_for, context, model))
-            stored = {name: written.add(store.partition(name, model, layer), table) for name, table in made.items()}
+            made = control_layer_tables(data, y_ctl, neighbours, cfg, prov,
+                                        log=functools.partial(log_for, run.context, model))
+            stored = {name: run.written.add(store.partition(name, model, layer), table) for name, table in made.items()}
             expected = made_targets(cfg.positive_controls, y_ctl is not None)
-            written.note(model, layer, positive_controls=",".join(made_controls(cfg.positive_controls, y_ctl is not None))
-                         or "none")
+            run.written.note(model, layer, positive_controls=",".join(made_controls(cfg.positive_controls,
+                                                                                    y_ctl is not None)) or "none")
             verdict = checks.check_controls(stored["control_geometry"], stored["control_spectra"], len(data.x),
                                             cfg.classes, expected)
             verdict.merge(checks.check_context_split(stored["context_split"], data, y_ctl is not None), "split: ")
             verdict.merge(checks.check_context_heads(stored["context_heads"], data, y_ctl), "sources: ")
-            verdicts[f"{model}:{layer:02d}"] = verdict
-    return finish(store, cfg, written, outcomes=[
-        checks.Outcome("controls", "controls_valid", verdicts, lens.checks)])
+            run.judge("controls_valid", model, layer, verdict)

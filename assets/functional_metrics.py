@@ -11,23 +11,17 @@ its partitions (row groups in sequence order) and only the per-token KL stays in
 
 from dataclasses import dataclass, field
 
-import dagster as dg
-
 from updatelens.assets import checks
 from updatelens.assets.checks import CheckSettings
 from updatelens.assets.common import (
-    Finished,
-    Written,
+    StageRun,
     check_upstream,
-    each_model,
-    finish,
-    run_store,
     sample_index,
     stage_asset,
     stored_activations,
     stored_fits,
 )
-from updatelens.assets.resources import UpdateLensResource, release_models
+from updatelens.assets.resources import release_models
 from updatelens.capture import block_output_is_tuple
 from updatelens.models import LoadedModel
 from updatelens.perturbation import OriginalOutput, original_output
@@ -42,21 +36,18 @@ from updatelens.tables import Provenance
 
 
 @stage_asset
-def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
-    cfg = lens.config()
-    store = run_store(context, lens.store)
-    written = Written()
-    verdicts: dict[str, checks.Verdict] = {}
-    for model, layers in each_model(context, store):
-        lm = lens.load(model)
+def functional_metrics(run: StageRun) -> None:
+    cfg, store, settings = run.cfg, run.store, run.lens.checks
+    for model, layers in run.models():
+        lm = run.lens.load(model)
         returns_tuple = block_output_is_tuple(lm)
         heads = {}
         for layer in layers:  # configuration and lineage of every input, before any heavy work
             heads[layer] = check_upstream(store, "activations", model, layer, cfg)
             check_upstream(store, "local_fits", model, layer, cfg)
         input_ids, kept = sample_index(store, model, layers[0])
-        identity = IdentityChecks(lm, original_output(lm, input_ids[: lens.checks.identity_sequences], cfg.patch_batch),
-                                  cfg.patch_batch, returns_tuple, lens.checks, layers[-1])
+        identity = IdentityChecks(lm, original_output(lm, input_ids[: settings.identity_sequences], cfg.patch_batch),
+                                  cfg.patch_batch, returns_tuple, settings, layers[-1])
         measures = [Measure(layer, cfg, stored_fits(store, model, layer)) for layer in layers]
         found = stream_functional(lm, input_ids, kept, measures, stored_activations(store, model), cfg, returns_tuple,
                                   f"{model}: patched passes", identity)
@@ -64,22 +55,20 @@ def functional_metrics(context: dg.AssetExecutionContext, lens: UpdateLensResour
         for layer in layers:
             prov = Provenance.of_rows(heads[layer], cfg, "functional_metrics")
             fm, fs = functional_tables_from_rows(rows.pop(layer), cfg, prov, layer)
-            stored_fm = written.add(store.partition("functional_metrics", model, layer), fm)
-            stored_fs = written.add(store.partition("functional_summary", model, layer), fs)
+            stored_fm = run.written.add(store.partition("functional_metrics", model, layer), fm)
+            stored_fs = run.written.add(store.partition("functional_summary", model, layer), fs)
             docs = sample_docs(store.partition("activations", model, layer).read(["seq", "doc"]))
-            written.add(store.partition("functional_bootstrap", model, layer),
-                        functional_bootstrap_table(stored_fm, cfg, prov, layer, docs))
+            run.written.add(store.partition("functional_bootstrap", model, layer),
+                            functional_bootstrap_table(stored_fm, cfg, prov, layer, docs))
             for row in stored_fs.to_pylist():
                 if row["variant"] == "patch":
-                    written.note(model, layer, **{f"kl_mean_{row['fn_class']}": row["kl_mean"],
-                                                  f"spearman_relerr_kl_{row['fn_class']}": row["spearman_relerr_kl"]})
-            verdict = checks.check_functional(stored_fm, stored_fs, lens.checks)
+                    run.written.note(model, layer, **{f"kl_mean_{row['fn_class']}": row["kl_mean"],
+                                                      f"spearman_relerr_kl_{row['fn_class']}": row["spearman_relerr_kl"]})
+            verdict = checks.check_functional(stored_fm, stored_fs, settings)
             verdict.merge(identity.verdicts[layer])
-            verdicts[f"{model}:{layer:02d}"] = verdict
+            run.judge("functional_valid", model, layer, verdict)
         del lm, identity
     release_models()  # before the commit and the catalog's refresh
-    return finish(store, cfg, written, outcomes=[
-        checks.Outcome("functional_metrics", "functional_valid", verdicts, lens.checks)])
 
 
 @dataclass

@@ -4,24 +4,12 @@ Two passes over blocks of whole sequences (engine: `LayerGeometry`): the first a
 Gram matrices (the dominant subspace and the spectra come from them), the second writes the
 per-token geometry block by block; memory holds a block whatever the sample size."""
 
-import dagster as dg
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from updatelens.assets import checks
-from updatelens.assets.common import (
-    Finished,
-    Written,
-    block_reader,
-    check_upstream,
-    each_model,
-    finish,
-    run_store,
-    seq_blocks,
-    stage_asset,
-)
-from updatelens.assets.resources import UpdateLensResource
+from updatelens.assets.common import StageRun, block_reader, check_upstream, seq_blocks, stage_asset
 from updatelens.steps.geometry import stream_geometry
 from updatelens.steps.layer import sample_docs
 from updatelens.storage.store import Store
@@ -29,12 +17,9 @@ from updatelens.tables import Provenance, to_matrix
 
 
 @stage_asset
-def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
-    cfg = lens.config()
-    store = run_store(context, lens.store)
-    written = Written()
-    verdicts: dict[str, checks.Verdict] = {}
-    for model, layers in each_model(context, store):
+def geometry(run: StageRun) -> None:
+    cfg, store = run.cfg, run.store
+    for model, layers in run.models():
         for layer in layers:
             prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg, "geometry")
             check_upstream(store, "local_fits", model, layer, cfg)  # what it reads: lineage and config
@@ -43,17 +28,15 @@ def geometry(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fin
             with target.writer() as sink:
                 spectra, resamples = stream_geometry(block_reader(store, model, layer), seq_blocks(cfg), cfg, docs, prov,
                                                      sink.write)
-            written.record(target, sink.rows)
-            stored_spec = written.add(store.partition("spectra", model, layer), spectra)
-            written.add(store.partition("geometry_bootstrap", model, layer), resamples)
+            run.written.record(target, sink.rows)
+            stored_spec = run.written.add(store.partition("spectra", model, layer), spectra)
+            run.written.add(store.partition("geometry_bootstrap", model, layer), resamples)
             n_kept, energy = kept_updates(store, model, layer)
             stored = target.read()
-            written.note(model, layer, **geometry_figures(stored, stored_spec))
+            run.written.note(model, layer, **geometry_figures(stored, stored_spec))
             verdict = checks.check_geometry(stored, stored_spec, n_kept, cfg.classes)
             verdict.merge(checks.check_spectra_energy(stored_spec, energy))
-            verdicts[f"{model}:{layer:02d}"] = verdict
-    return finish(store, cfg, written, outcomes=[
-        checks.Outcome("geometry", "geometry_ranges", verdicts, lens.checks)])
+            run.judge("geometry_ranges", model, layer, verdict)
 
 
 def kept_updates(store: Store, model: str, layer: int) -> tuple[int, float]:

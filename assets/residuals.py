@@ -2,23 +2,11 @@
 
 Streams over blocks of whole sequences: memory holds one block whatever the sample size."""
 
-import dagster as dg
 import numpy as np
 import pyarrow.compute as pc
 
 from updatelens.assets import checks
-from updatelens.assets.common import (
-    Finished,
-    Written,
-    check_upstream,
-    each_model,
-    finish,
-    read_block,
-    run_store,
-    seq_blocks,
-    stage_asset,
-)
-from updatelens.assets.resources import UpdateLensResource
+from updatelens.assets.common import StageRun, check_upstream, read_block, seq_blocks, stage_asset
 from updatelens.steps.residuals import residuals_table
 from updatelens.storage.integrity import partition_error
 from updatelens.storage.store import Partition
@@ -28,19 +16,12 @@ SCALARS = ["fn_class", "seq", "pos", "rel_err", "norm_full", "norm_tok", "norm_r
 
 
 @stage_asset
-def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Finished:
-    cfg = lens.config()
-    store = run_store(context, lens.store)
-    written = Written()
-    recon: dict[str, checks.Verdict] = {}
-    bounds: dict[str, checks.Verdict] = {}
-    drift: dict[str, checks.Verdict] = {}
-    blown: dict[str, checks.Verdict] = {}
-    for model, layers in each_model(context, store):
+def residuals(run: StageRun) -> None:
+    cfg, store, settings = run.cfg, run.store, run.lens.checks
+    for model, layers in run.models():
         for layer in layers:
             prov = Provenance.of_rows(check_upstream(store, "activations", model, layer, cfg), cfg, "residuals")
             check_upstream(store, "local_fits", model, layer, cfg)
-            key = f"{model}:{layer:02d}"
             target = store.partition("residuals", model, layer)
             previous = _previous_quantiles(target.committed, cfg.config_id)
             n_kept = 0
@@ -49,25 +30,19 @@ def residuals(context: dg.AssetExecutionContext, lens: UpdateLensResource) -> Fi
                     data, fits = read_block(store, model, layer, lo, hi)
                     sink.write(residuals_table(data, fits, prov))
                     n_kept += int(data.kept.sum())
-            written.record(target, sink.rows)
+            run.written.record(target, sink.rows)
             gaps = checks.Verdict()  # the stored residual vectors, read back block by block, against the fits
             for lo, hi in seq_blocks(cfg):
                 data, fits = read_block(store, model, layer, lo, hi)
-                gaps.merge(checks.check_reconstruction_gap(target.seqs(lo, hi), data, fits, lens.checks))
+                gaps.merge(checks.check_reconstruction_gap(target.seqs(lo, hi), data, fits, settings))
             stored = target.read(SCALARS)
-            recon[key] = checks.check_reconstruction(stored, n_kept, cfg, gaps)
-            bounds[key] = checks.check_rel_err_bounds(stored, lens.checks)
-            drift[key] = checks.check_rel_err_drift(stored, previous, lens.checks)
-            blown[key] = checks.check_blown_up_fits(stored, lens.checks)
+            run.judge("residuals_match_fits", model, layer, checks.check_reconstruction(stored, n_kept, cfg, gaps))
+            run.judge("rel_err_within_bounds", model, layer, checks.check_rel_err_bounds(stored, settings))
+            run.judge("rel_err_drift", model, layer, checks.check_rel_err_drift(stored, previous, settings))
+            run.judge("no_blown_up_fits", model, layer, checks.check_blown_up_fits(stored, settings))
             for fn_class in cfg.classes:
                 part = stored.filter(pc.equal(stored["fn_class"], fn_class))
-                written.note(model, layer, **{f"rel_err_median_{fn_class}": float(np.median(part["rel_err"].to_numpy()))})
-    return finish(store, cfg, written, outcomes=[
-        checks.Outcome("residuals", "residuals_match_fits", recon, lens.checks),
-        checks.Outcome("residuals", "rel_err_within_bounds", bounds, lens.checks),
-        checks.Outcome("residuals", "rel_err_drift", drift, lens.checks),
-        checks.Outcome("residuals", "no_blown_up_fits", blown, lens.checks),
-    ])
+                run.written.note(model, layer, **{f"rel_err_median_{fn_class}": float(np.median(part["rel_err"].to_numpy()))})
 
 
 def _previous_quantiles(part: Partition, config_id: str) -> dict[str, list[float]] | None:
