@@ -394,7 +394,7 @@ def observe_partitions(context: dg.AssetExecutionContext, written: Written) -> N
 
 @dataclass
 class Finished:
-    """What a stage hands its asset (stage_asset): the materialization's metadata and its checks."""
+    """What a finished step hands its asset (StageRun.finish): the materialization's metadata and its checks."""
 
     materialization: dg.MaterializeResult
     outcomes: list[Outcome]
