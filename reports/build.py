@@ -8,7 +8,6 @@ sees a half-written report. Nothing is recomputed: every number comes from the c
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 from collections.abc import Sequence
@@ -16,20 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
-import matplotlib.pyplot as plt
 import polars as pl
-from matplotlib.figure import Figure
 from upath import UPath
 
 from updatelens.errors import UpdateLensError
 from updatelens.findings import FINDINGS
 from updatelens.reports import figures as fig
+from updatelens.reports.html import figure_section, html_table, page, png
 from updatelens.stages import TABLES
 from updatelens.storage import catalog
 from updatelens.storage.integrity import incomplete_layers, mixed_layers
 from updatelens.storage.layout import publish_dir
 from updatelens.storage.location import RootLike, as_root
-from updatelens.verdicts import VERDICTS
 from updatelens.views import findings_sql
 
 REPORTS = "reports"
@@ -76,7 +73,6 @@ COMPARISON_FIGURES: dict[str, str] = {
     "comparison_curves": "Per-layer curves of every materialized model against normalised depth, each model on "
                          "the class with its lowest median relative error; shaded: the 95% band over the resamples.",
 }
-DPI = 90
 
 
 class ReportError(UpdateLensError):
@@ -131,78 +127,6 @@ def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[object] | 
 
 def _views(con: duckdb.DuckDBPyConnection) -> set[str]:
     return {row[0] for row in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
-
-
-def _png(figure: Figure, path: Path) -> None:
-    figure.savefig(path, dpi=DPI)
-    plt.close(figure)
-
-
-def _data_uri(path: Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
-
-
-# ---- HTML ---------------------------------------------------------------------------------------
-# Tables with their verdicts' colours: the reports' and the notebook's findings table.
-TABLE_STYLE = """
-table { border-collapse: collapse; margin: 1em 0; font-size: 13px; display: block; max-width: 100%; overflow-x: auto; }
-th, td { border: 1px solid #ccc; padding: 3px 7px; text-align: left; }
-th { background: #f3f3f3; }
-td.yes, td.holds { background: #e3f4e3; } td.no, td.fails { background: #fbe4e4; } td.flip { font-weight: bold; }
-td.indistinct { background: #fff1cc; } td.undecided { background: #eeeeee; }
-td.estimator-limited { background: #e1ecfb; } td.opposite { background: #f1dcf5; }
-td.no-control { background: #eeeeee; }
-"""
-STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1500px; color: #222; }
-""" + TABLE_STYLE.strip() + """
-details { margin: 0.5em 0 1.5em; } summary { cursor: pointer; color: #444; }
-img { max-width: 100%; border: 1px solid #eee; }
-figcaption { font-size: 13px; color: #555; margin-bottom: 1.5em; }
-code, pre { background: #f6f6f6; font-size: 12px; }
-pre { padding: 0.6em; overflow-x: auto; }
-"""
-
-
-def _cell(value: object) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-
-
-def html_table(frame: pl.DataFrame, verdict_columns: tuple[str, ...] = ("holds", "verdict")) -> str:
-    """A table; a verdict column's cells are coloured (a boolean: yes/no; a verdict: its own colour)."""
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in frame.columns)
-    rows = []
-    for row in frame.iter_rows(named=True):
-        cells = []
-        for column, value in row.items():
-            cls = ""
-            if column in verdict_columns and isinstance(value, bool):
-                cls = ' class="yes"' if value else ' class="no"'
-            elif column in verdict_columns and value in VERDICTS:
-                cls = f' class="{value.replace(" ", "-")}"'
-            elif column in verdict_columns and isinstance(value, str) and value.rsplit(": ", 1)[-1] in VERDICTS:
-                cls = f' class="{value.rsplit(": ", 1)[-1].replace(" ", "-")}"'  # a comparison cell: "...: verdict"
-            cells.append(f"<td{cls}>{html.escape(_cell(value))}</td>")
-        rows.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
-
-
-def _page(title: str, sections: list[str]) -> str:
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>")
-
-
-def _figure_section(name: str, caption: str, path: Path) -> str:
-    return (f"<figure id='{name}'><img alt='{name}' src='{_data_uri(path)}'>"
-            f"<figcaption><b>{name}.png</b>: {html.escape(caption)}</figcaption></figure>")
 
 
 # ---- model report -------------------------------------------------------------------------------
@@ -267,7 +191,7 @@ def _context_sources(heads: pl.DataFrame, model: str, staging: Path) -> str:
     return ("<h3>Where the context part comes from</h3><p>" + html.escape(CONTEXT_HEADS_CAPTION) + " SQL: "
             f"<code>SELECT * FROM context_heads WHERE model = '{html.escape(model)}'</code>; per token, the "
             "activations' <code>ctx_head_dot</code>, <code>attn_mass</code> and <code>top_source_pos</code>.</p>"
-            + _figure_section("context_heads", CONTEXT_HEADS_CAPTION, staging / "context_heads.png")
+            + figure_section("context_heads", CONTEXT_HEADS_CAPTION, staging / "context_heads.png")
             + html_table(pl.DataFrame(rows), ()))
 
 
@@ -381,7 +305,7 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
 
     def fill(staging: Path) -> None:
         for name, draw in drawings.items():
-            _png(draw(), staging / f"{name}.png")
+            png(draw(), staging / f"{name}.png")
         sections = [
             "<h2>Provenance</h2>" + html_table(pl.DataFrame({
                 "model": [model], "revision": [prov["model_revision"]], "weights": [prov["weights"]],
@@ -420,7 +344,7 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
                 "the rest of the context adds. Per layer, the medians over tokens with 95% bootstrap bands over "
                 "documents. SQL: <code>SELECT * FROM context_split_summary WHERE model = '"
                 + html.escape(model) + "'</code>; per token: <code>context_split</code>.</p>"
-                + _figure_section("context_split", CONTEXT_SPLIT_CAPTION, staging / "context_split.png")
+                + figure_section("context_split", CONTEXT_SPLIT_CAPTION, staging / "context_split.png")
                 + html_table(split.select(["layer", "n_tokens", *[c for c in split.columns if c.endswith("_median")]]),
                              ())
                 + _against_exact(summary, model)
@@ -439,17 +363,17 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
                 "<h2>Convergence with the sample size</h2><p>Each finding on nested samples of growing size "
                 "(<code>updatelens converge</code>), per class, with its 95% bootstrap band; the dashed line is the "
                 "threshold. SQL: <code>SELECT * FROM convergence WHERE model = '" + html.escape(model) + "'</code>.</p>"
-                + _figure_section("convergence", CONVERGENCE_CAPTION, staging / "convergence.png")
+                + figure_section("convergence", CONVERGENCE_CAPTION, staging / "convergence.png")
                 + html_table(converged.select(["finding", "fn_class", "n_tokens", "value", "ci_lo", "ci_hi",
                                                "verdict", "threshold", "layers"]), ()))
         sections.append("<h2>Figures</h2>" + "".join(
-            _figure_section(name, caption, staging / f"{name}.png") for name, caption in MODEL_FIGURES.items()))
+            figure_section(name, caption, staging / f"{name}.png") for name, caption in MODEL_FIGURES.items()))
         sections.append("<h2>Per-layer summary</h2><p>SQL view <code>layer_summary</code>.</p>"
                         + html_table(summary.select([c for c in summary_cols if c in summary.columns])))
         sections.append("<h2>Configuration</h2><pre>" + html.escape(json.dumps(config, indent=1)) + "</pre>"
                         "<h2>How the findings are derived</h2><pre>"
                         + html.escape("\n".join(findings_sql())) + "</pre>")
-        (staging / "index.html").write_text(_page(title, sections), encoding="utf-8")
+        (staging / "index.html").write_text(page(title, sections), encoding="utf-8")
 
     directory = publish_dir(root, reports_root(root) / model, fill)
     return Report(title=title, directory=directory,
@@ -573,21 +497,21 @@ def build_comparison(root: RootLike) -> Report:
         if any(not c.is_empty() for c in context_parts) else pl.DataFrame()
 
     def fill(staging: Path) -> None:
-        _png(fig.comparison_curves(summary, "per-layer curves on normalised depth", bands), staging / "comparison_curves.png")
+        png(fig.comparison_curves(summary, "per-layer curves on normalised depth", bands), staging / "comparison_curves.png")
         sections = [
             "<h2>Findings by model</h2><p>Each finding per model, on its best class: value [95% interval]; its null "
             "[interval]; its positive control [interval], where the finding has one: verdict (holds, fails, "
             "undecided, indistinct from its null, opposite to the claim, or estimator-limited), coloured as in "
             "the model reports. SQL: "
             "<code>SELECT * FROM findings</code>.</p>" + html_table(findings_pivot(findings), tuple(models)),
-            "<h2>Figures</h2>" + "".join(_figure_section(name, caption, staging / f"{name}.png")
+            "<h2>Figures</h2>" + "".join(figure_section(name, caption, staging / f"{name}.png")
                                          for name, caption in COMPARISON_FIGURES.items()),
             "<h2>Models</h2><p>Each model's configuration, the class its findings are read on, and the weights it "
             "ran with (a quantized file's type, dequantized).</p>"
             + html_table(findings.group_by("model", "config_id", "fn_class", "weights").agg().sort("model")),
         ]
         if not context.is_empty():
-            _png(fig.context_across_models(context, "what attention to the context adds, on normalised depth"),
+            png(fig.context_across_models(context, "what attention to the context adds, on normalised depth"),
                  staging / "context_across_models.png")
             sections.append("<h2>What attention to the context adds</h2><p>Per model (attention models; Mamba has no "
                             "such split), the exact split on normalised depth: the median ||a|| / ||Δ_full|| and "
@@ -595,7 +519,7 @@ def build_comparison(root: RootLike) -> Report:
                             "previous token and the sources more than 16 positions back add (the context restored "
                             "nearest first). SQL: <code>SELECT * FROM context_split_summary</code>, <code>SELECT * "
                             "FROM context_heads WHERE kind = 'distance'</code>.</p>"
-                            + _figure_section("context_across_models", CONTEXT_ACROSS_CAPTION,
+                            + figure_section("context_across_models", CONTEXT_ACROSS_CAPTION,
                                               staging / "context_across_models.png"))
         if not across.is_empty():
             sections.insert(1, "<h2>Model against model</h2><p>Each finding of one model minus the other's, with the "
@@ -607,7 +531,7 @@ def build_comparison(root: RootLike) -> Report:
                                "with the larger as model_a), finding 5's gap smaller in the smaller one. "
                                "SQL: <code>SELECT * FROM findings_across_models</code>.</p>"
                                + html_table(across, ()))
-        (staging / "index.html").write_text(_page(title, sections), encoding="utf-8")
+        (staging / "index.html").write_text(page(title, sections), encoding="utf-8")
 
     directory = publish_dir(root, reports_root(root) / COMPARISON, fill)
     return Report(title=title, directory=directory,

@@ -38,7 +38,8 @@ def _(mo, models):
 
 @app.cell
 def _(catalog, mo, model, root):
-    from updatelens.reports.build import TABLE_STYLE, findings_summary, html_table
+    from updatelens.reports.build import findings_summary
+    from updatelens.reports.html import TABLE_STYLE, html_table
 
     config = catalog.query(root, "SELECT config_id, count(DISTINCT layer) AS n FROM layer_summary WHERE model = $1 "
                                  "GROUP BY config_id ORDER BY n DESC, config_id LIMIT 1", [model.value])["config_id"][0]

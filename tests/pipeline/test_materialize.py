@@ -159,7 +159,7 @@ def test_the_served_notebook_opens_with_its_answers(run, tmp_path: Path) -> None
 
     from tests.browser import open_page
     from tests.pipeline.test_webserver import REPO, free_port, group_left, kill_group
-    from updatelens.reports.build import VERDICTS
+    from updatelens.verdicts import VERDICTS
 
     lens, _ = run
     port = free_port()
@@ -316,7 +316,8 @@ def test_reports_build_from_stored_results_with_every_figure(run) -> None:
 
     from updatelens.assets.reports import _check_report
     from updatelens.orchestration.runner import materialize_reports
-    from updatelens.reports.build import COMPARISON, COMPARISON_FIGURES, MODEL_FIGURES, VERDICTS, build_model_report, reports_root
+    from updatelens.reports.build import COMPARISON, COMPARISON_FIGURES, MODEL_FIGURES, build_model_report, reports_root
+    from updatelens.verdicts import VERDICTS
 
     lens, instance = run
     results = materialize_reports(MODELS, lens, instance)
