@@ -50,26 +50,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
-RSS_LOG = "UPDATELENS_TEST_RSS_LOG"  # a file: each test's process high-water mark after it, appended
-
-
-def _high_water_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return 0
+RSS_LOG = "UPDATELENS_TEST_RSS_LOG"  # a file: each test's process high-water mark (GiB) before and after it
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     """With $UPDATELENS_TEST_RSS_LOG set, a line per test: its process's peak resident memory before and
     after it (VmHWM only grows: the test where it jumps is the one that took the memory)."""
+    from updatelens.orchestration.commands import _peak_rss_gib  # what `run` reports: VmHWM
+
     log = os.environ.get(RSS_LOG)
-    before = _high_water_kib() if log else 0
+    before = _peak_rss_gib() if log else 0.0
     result = yield
     if log:
         with open(log, "a") as out:
-            out.write(f"{os.getpid()} {before} {_high_water_kib()} {item.nodeid}\n")
+            out.write(f"{os.getpid()} {before:.3f} {_peak_rss_gib():.3f} {item.nodeid}\n")
     return result
 
 
