@@ -50,21 +50,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
-RSS_LOG = "UPDATELENS_TEST_RSS_LOG"  # a file: each test's process high-water mark (GiB) before and after it
+RSS_LOG = "UPDATELENS_TEST_RSS_LOG"  # a file: each test's process high-water mark (GiB) before and after it, and its CPU
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the children it has waited for (user + system)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     """With $UPDATELENS_TEST_RSS_LOG set, a line per test: its process's peak resident memory before and
-    after it (VmHWM only grows: the test where it jumps is the one that took the memory)."""
+    after it (VmHWM only grows: the test where it jumps is the one that took the memory), and the CPU
+    seconds it took, its subprocesses included (those it waited for)."""
     from updatelens.orchestration.commands import _peak_rss_gib  # what `run` reports: VmHWM
 
     log = os.environ.get(RSS_LOG)
-    before = _peak_rss_gib() if log else 0.0
+    before, cpu = (_peak_rss_gib(), _cpu_seconds()) if log else (0.0, 0.0)
     result = yield
     if log:
         with open(log, "a") as out:
-            out.write(f"{os.getpid()} {before:.3f} {_peak_rss_gib():.3f} {item.nodeid}\n")
+            out.write(f"{os.getpid()} {before:.3f} {_peak_rss_gib():.3f} {_cpu_seconds() - cpu:.1f} {item.nodeid}\n")
     return result
 
 
