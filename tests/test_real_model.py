@@ -23,16 +23,23 @@ from updatelens.neighbours import knn
 from updatelens.perturbation import Variant, original_output, patched_kl
 from updatelens.registry import REPO_REGISTRY, get_corpus, get_model
 
+# Each model's tests run in one test process (pytest-xdist's loadgroup), which loads the model once: spread over
+# several, each loaded it (and on a fresh cache converted it) again
+SMOLLM2 = pytest.mark.xdist_group("smollm2")
+GEMMA = pytest.mark.xdist_group("gemma")
+
 
 @pytest.fixture(scope="module")
 def smollm2():
     return load_model(get_model("smollm2-135m", REPO_REGISTRY))
 
 
+@SMOLLM2
 def test_smollm2_loads_with_its_real_depth(smollm2) -> None:
     assert (smollm2.adapter, smollm2.n_layers, smollm2.d_model) == ("llama", 30, 576)
 
 
+@SMOLLM2
 def test_smollm2_capture_and_identity_patch(smollm2) -> None:
     sample = make_sample(get_corpus("wiki-embedded", REPO_REGISTRY), smollm2.tokenizer, 2, 32)
     cap = capture(smollm2, sample.input_ids, sample.attention_mask, batch_size=2)
@@ -46,6 +53,7 @@ def test_smollm2_capture_and_identity_patch(smollm2) -> None:
         assert kl.max() < 1e-5
 
 
+@SMOLLM2
 def test_smollm2_lowrank_explains_more_than_diagonal_in_middle_layers(smollm2) -> None:
     # no window-first token here, so no self-and-first control: the linear one would need held-out windows
     cfg = AnalysisConfig(n_seq=8, seq_len=64, k=32, controls=("random",), positive_controls=())
@@ -59,6 +67,7 @@ def test_smollm2_lowrank_explains_more_than_diagonal_in_middle_layers(smollm2) -
     assert summary[("lowrank", "patch")]["n_tokens"] == 8 * 63
 
 
+@SMOLLM2
 def test_the_solvers_recover_a_planted_map_on_real_states(smollm2) -> None:
     """The solvers on SmolLM2's real block inputs (layer 15: anisotropic, correlated coordinates) with
     the pipeline's default k, ridge, centring and exclusion: y is a planted map of x that each class
@@ -87,6 +96,7 @@ def test_the_solvers_recover_a_planted_map_on_real_states(smollm2) -> None:
         assert median < bounds[fn_class][0] and q90 < bounds[fn_class][1], (fn_class, median, q90)
 
 
+@SMOLLM2
 def test_smollm2_forward_work_counts_its_weight_matrices(smollm2) -> None:
     """SmolLM2-135M: per block q, o 576x576, k, v 576x192, gate, up, down 576x1536; head 49152x576."""
     from bench import measures as bench
@@ -101,6 +111,7 @@ def test_smollm2_forward_work_counts_its_weight_matrices(smollm2) -> None:
     assert work.patched == 131072 * 4 * ((29 + 14 + 0) * per_block + 3 * head)
 
 
+@SMOLLM2
 def test_smollm2_exact_single_position_effects_equal_one_pass_per_position() -> None:
     """The one-pass single-position effects against a forward pass per patched position: 32 sampled
     positions (16 in each of 2 windows) at layers 0, 15 and 28, for a residual-sized perturbation.
@@ -139,6 +150,7 @@ def gemma():
     return load_model(get_model("gemma3-270m", REPO_REGISTRY))
 
 
+@GEMMA
 def test_gemma_needs_its_bos_and_the_sample_gives_it(gemma) -> None:
     """Gemma 3 270M (18 blocks, d = 640, a 262,144-token vocabulary): with its BOS token first, the
     perplexity of the embedded sample is that of a trained model (measured 16.3 on these 2 windows);
@@ -162,6 +174,7 @@ def test_gemma_needs_its_bos_and_the_sample_gives_it(gemma) -> None:
     assert perplexity[True] < 30 and perplexity[False] > 3 * perplexity[True], perplexity
 
 
+@GEMMA
 def test_gemma_capture_and_exact_single_position_effects(gemma) -> None:
     """The capture equals output_hidden_states (scaled embeddings, extra norms), and the one-pass
     single-position effects equal one pass per position on Gemma's sliding-window layers (float32:

@@ -7,10 +7,13 @@ validated against the config's depth when the model loads.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable
@@ -193,7 +196,7 @@ def embedded_file(entry: ModelEntry) -> Path:
 
 def convert_embedded(entry: ModelEntry) -> Path:
     """GGUF -> safetensors once per GGUF file, cached; later loads read the cached safetensors."""
-    return converted(embedded_file(entry), cache_dir() / "models" / entry.slug, _convert_gguf)
+    return converted(embedded_file(entry), cache_dir() / "models" / entry.slug, _convert_gguf_in_own_process)
 
 
 SOURCE_FILE = "SOURCE"  # in a converted model's folder: the GGUF's name and size (part of its fingerprint)
@@ -206,7 +209,19 @@ def converted(gguf: Path, target: Path, convert: Callable[[Path, Path], None]) -
     e.g. a new version of the package or the registry entry pointed at another file. A file whose path,
     size or mtime moved is hashed (a second or so) and kept where its content is the same (a reinstall).
     A folder converted before the identity was recorded is kept where its SOURCE names this file's name
-    and size, as it was before."""
+    and size, as it was before. Processes converting the same target take turns (a lock beside it): the
+    second finds the first's conversion and reuses it instead of converting again."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = (target.parent / f".{target.name}.lock").open("a")
+    except OSError:  # a cache one may read but not write: nothing to convert into either, so no turns to take
+        return _converted(gguf, target, convert)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _converted(gguf, target, convert)
+
+
+def _converted(gguf: Path, target: Path, convert: Callable[[Path, Path], None]) -> Path:
     stat = gguf.stat()
     here = {"path": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     if (target / "config.json").exists():
@@ -249,6 +264,22 @@ def _write_json(path: Path, value: object) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(value))
     tmp.replace(path)
+
+
+def _convert_gguf_in_own_process(gguf: Path, folder: Path) -> None:
+    """`_convert_gguf` in a child process. Dequantizing holds the model about two and a half times over
+    (Gemma 3 270M: 2.75 GiB above the process's size, for 1.07 GiB of float32 weights), and the heap it
+    leaves behind is not all given back: done in the process that then analyses the model, that memory
+    counted in its peak and stayed in its heap. The child's memory goes back when it exits. A file
+    that is not a whole GGUF is refused here first, in one line."""
+    _check_gguf(gguf)
+    done = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                           "from updatelens.models import _convert_gguf; _convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))",
+                           str(gguf), str(folder)], capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        raise ModelError(f"converting {gguf.name} to safetensors failed (exit {done.returncode}): "
+                         f"{lines[-1] if lines else 'no message'}")
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:

@@ -609,9 +609,36 @@ def test_an_embedded_models_conversion_follows_its_gguf_file_not_its_slug(tmp_pa
     assert converted(gguf, target, convert) == target and len(calls) == 2
     assert (target / "model.safetensors").read_bytes() == b"GGUF other weights!"[::-1]
     assert weights_fingerprint(target) != first
-    assert not [p for p in target.parent.iterdir() if p.name != "slug"]  # the old conversion is gone whole
+    assert not [p for p in target.parent.iterdir() if p.name not in ("slug", ".slug.lock")]  # old one gone whole
     (target / SOURCE_IDENTITY).unlink()  # converted by an earlier version: SOURCE alone
     assert converted(gguf, target, convert) == target and len(calls) == 2
     (target / SOURCE_IDENTITY).unlink()
     (target / "SOURCE").write_text("model.gguf size=18\n")  # SOURCE of another file
     assert converted(gguf, target, convert) == target and len(calls) == 3
+
+
+def test_processes_converting_one_gguf_together_convert_it_once(tmp_path: Path) -> None:
+    """Two conversions of the same file at once (two test workers, two runs on a fresh cache): the second
+    waits for the first and reuses its folder, instead of converting again beside it."""
+    import threading
+    import time
+
+    from updatelens.models import converted
+
+    calls: list[str] = []
+
+    def convert(gguf: Path, folder: Path) -> None:
+        calls.append(threading.current_thread().name)
+        time.sleep(0.5)  # long enough for the other to arrive while this one converts
+        (folder / "config.json").write_text("{}")
+
+    gguf, target = tmp_path / "model.gguf", tmp_path / "cache" / "slug"
+    gguf.write_bytes(b"GGUF weights")
+    got: list[Path] = []
+    threads = [threading.Thread(target=lambda: got.append(converted(gguf, target, convert)), name=f"t{i}")
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [target, target] and len(calls) == 1, calls
