@@ -34,6 +34,28 @@ LAYER_PANELS = (
 )
 
 
+# Margins in inches, fixed. Matplotlib's constrained layout measured every tick label of every panel to
+# place them: 4.5 s of a 13 s report under cProfile (9 figures); a report of the tiny GPT-2 took 8.3 s
+# with it, 5.2 s without. These leave room for a y label with its tick labels on the left of each panel
+# (and on its right where it has a second axis), an x label below and a title above, with the figure's
+# title above the top row.
+LEFT, RIGHT, BOTTOM, TOP, TOP_TITLED = 1.0, 0.25, 0.6, 0.45, 0.8
+H_GAP, V_GAP = 0.85, 0.95
+
+
+def fixed_subplots(nrows: int, ncols: int, figsize: tuple[float, float], right: float = RIGHT, h_gap: float = H_GAP,
+                   titled: bool = True, gridspec_kw: dict[str, object] | None = None) -> tuple[Figure, np.ndarray]:
+    """plt.subplots with the fixed margins above (inches; `titled`: room for a figure title), squeeze off."""
+    fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=False, gridspec_kw=gridspec_kw)
+    width, height = figsize
+    panel_w = (width - LEFT - right - (ncols - 1) * h_gap) / ncols
+    panel_h = (height - BOTTOM - (TOP_TITLED if titled else TOP) - (nrows - 1) * V_GAP) / nrows
+    fig.subplots_adjust(left=LEFT / width, right=1 - right / width, bottom=BOTTOM / height,
+                        top=1 - (TOP_TITLED if titled else TOP) / height,
+                        wspace=h_gap / panel_w, hspace=V_GAP / panel_h)
+    return fig, axes
+
+
 def _colour(fn_class: str) -> str:
     return CLASS_COLOURS.get(fn_class, "tab:gray")
 
@@ -54,7 +76,7 @@ def layer_curves(summary: pl.DataFrame, ranks: pl.DataFrame, title: str, bands: 
     """Per-layer curves, one line per function class, with the 95% band over the resamples where
     `bands` (the `layer_bands` rows of the same model and config) has the statistic. `summary` is
     layer_summary rows of one (model, config); `ranks` has (layer, fn_class, which, effective_rank)."""
-    fig, axes = plt.subplots(3, 3, figsize=(15, 11), constrained_layout=True)
+    fig, axes = fixed_subplots(3, 3, (15, 11), h_gap=1.2)  # log panels: wide tick labels
     classes = summary["fn_class"].unique(maintain_order=True).to_list()
     bands = pl.DataFrame() if bands is None else bands
     for ax, (column, panel_title, ylabel, log) in zip(axes.flat, LAYER_PANELS):
@@ -101,7 +123,7 @@ def layer_curves(summary: pl.DataFrame, ranks: pl.DataFrame, title: str, bands: 
 def _per_layer_panels(rows: pl.DataFrame, layers: list[int], height: float, title: str
                       ) -> tuple[Figure, list[tuple[Axes, pl.DataFrame]]]:
     """One panel per chosen layer (titled early/middle/late when there are three), with its rows."""
-    fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), height), constrained_layout=True, squeeze=False)
+    fig, axes = fixed_subplots(1, len(layers), (5 * len(layers), height))
     names = ["early", "middle", "late"] if len(layers) == 3 else [""] * len(layers)
     panels = []
     for ax, name, layer in zip(axes.flat, names, layers):
@@ -169,7 +191,7 @@ def controls(summary: pl.DataFrame, title: str, bands: pl.DataFrame | None = Non
     of the KL at the position with the later one (right axis). `summary` has (layer, fn_class, kl_mean,
     kl_mean_random_control, kl_mean_crude_control, kl_at_mean_on_later, kl_later_mean,
     kl_later_random_mean, spearman_kl_later)."""
-    fig, (ax, later_ax) = plt.subplots(1, 2, figsize=(14, 3.8), constrained_layout=True)
+    fig, ((ax, later_ax),) = fixed_subplots(1, 2, (14, 3.8), right=0.85, h_gap=1.5, titled=False)
     for fn_class in summary["fn_class"].unique(maintain_order=True).to_list():
         rows = summary.filter(pl.col("fn_class") == fn_class).sort("layer")
         ax.plot(rows["layer"].to_numpy(), rows["kl_mean"].to_numpy(), "o-", ms=3, color=_colour(fn_class),
@@ -240,7 +262,7 @@ SPLIT_CURVES = (("ctl_ratio_median", "‖Δ_ctl‖ / ‖Δ_full‖: the token's 
 def context_split(split: pl.DataFrame, title: str) -> Figure:
     """Per layer, the medians of the exact split (view `context_split_summary`) with their 95 % bootstrap
     bands over documents, and finding 1's threshold (0.9) for the cosine."""
-    fig, ax = plt.subplots(figsize=(9, 3.8), constrained_layout=True)
+    fig, ((ax,),) = fixed_subplots(1, 1, (9, 3.8), titled=False)
     rows = split.sort("layer")
     layer = rows["layer"].to_numpy()
     for column, label, colour in SPLIT_CURVES:
@@ -261,8 +283,7 @@ def context_heads(heads: pl.DataFrame, title: str) -> Figure:
     head's share of the context part a (its context restored alone), the heads-together remainder
     annotated per layer; right, per layer the shares of a added by the sources 1, 2-4, 5-16 and more than
     16 positions back (stacked: they add up to 1), with the heads' mean attention mass on each bin as dots."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2), constrained_layout=True,
-                                      gridspec_kw={"width_ratios": [1.2, 1]})
+    fig, ((left, right),) = fixed_subplots(1, 2, (13, 4.2), h_gap=1.4, gridspec_kw={"width_ratios": [1.2, 1]})
     rows = heads.sort(["layer", "idx"])
     layers = rows["layer"].unique().sort().to_list()
     per_head = rows.filter(pl.col("kind") == "head")
@@ -308,7 +329,7 @@ def context_across_models(context: pl.DataFrame, title: str) -> Figure:
     """Per model on normalised depth (`context_split_summary` rows with `depth`, and `share_d1`, `share_far`
     from `context_heads` where stored): left, ||a|| / ||Δ_full|| and cos(Δ_full, Δ_ctl) medians with bands;
     right, the previous token's and the far sources' shares of a."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4), constrained_layout=True)
+    fig, ((left, right),) = fixed_subplots(1, 2, (13, 4))
     cmap = plt.get_cmap("tab10")
     for i, model in enumerate(context["model"].unique(maintain_order=True).to_list()):
         rows = context.filter(pl.col("model") == model).sort("depth")
@@ -339,7 +360,7 @@ def comparison_curves(summary: pl.DataFrame, title: str, bands: pl.DataFrame | N
     model's shown class and config) has the statistic. `summary` has layer_summary columns plus
     `depth` in [0, 1]."""
     bands = pl.DataFrame() if bands is None else bands
-    fig, axes = plt.subplots(2, 4, figsize=(17, 7.5), constrained_layout=True)
+    fig, axes = fixed_subplots(2, 4, (17, 7.5), h_gap=1.2)
     models = summary["model"].unique(maintain_order=True).to_list()
     cmap = plt.get_cmap("tab10")
     for ax, (column, panel_title, log) in zip(axes.flat, COMPARISON_PANELS):
@@ -384,7 +405,7 @@ def convergence(rows: pl.DataFrame, title: str) -> Figure:
     findings = sorted(rows["finding"].unique().to_list())
     cols = 4
     nrows = max(1, -(-len(findings) // cols))
-    fig, axes = plt.subplots(nrows, cols, figsize=(17, 3.6 * nrows), constrained_layout=True, squeeze=False)
+    fig, axes = fixed_subplots(nrows, cols, (17, 3.6 * nrows))
     for ax, finding in zip(axes.flat, findings):
         part = rows.filter(pl.col("finding") == finding)
         if part["value"].drop_nulls().is_empty():  # e.g. finding 6 from a single layer
