@@ -22,19 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# What a measure may read: these per-layer statistics (one row per layer of a class), the effective
-# ranks of the singular spectra of Δ_full, Δ_tok and r (rank_full, rank_tok, rank_res) and of the
-# null's Δ_full and r (rank_full_null, rank_res_null), each also centred (`RANK_DEFS`), `layer`,
-# `n_layers` (the model's depth, whatever was analysed) and `perm_layer` (the analysed layers' depths
-# shifted round, one shift per resample: Finding.shift_null).
-# The `_null` statistics are the same measures on the random-direction residual of the same length.
-STATISTICS: tuple[str, ...] = ("rel_err_median", "cos_full_tok_median", "cos_full_tok_map_median",
-                               "frac_res_angle_gt60", "frac_res_tok_angle_gt60", "proj_res_m16",
-                               "spearman_relerr_kl", "spearman_normres_kl",
-                               "cos_full_tok_median_null", "cos_full_tok_map_median_null", "frac_res_angle_gt60_null",
-                               "frac_res_tok_angle_gt60_null", "proj_res_m16_null", "spearman_relerr_kl_null",
-                               "spearman_normres_kl_null", "kl_ratio_random")
-
 # The per-layer geometry statistics of the findings, as `layer_summary` defines them: (statistic,
 # per-token column, how it aggregates). The `_null` ones are the same measures on the random-direction
 # residual of the same length (geometry.null_metrics); the
@@ -71,6 +58,54 @@ def aggregate_sql(column: str, how: str) -> str:
         return f"avg({column})"
     raise ValueError(f"unknown aggregate {how!r} for {column!r}: median, share_gt60 or mean")
 TOKEN_STATISTICS: tuple[str, ...] = tuple(dict.fromkeys(column for _, column, _ in GEOMETRY_STATISTIC_DEFS))
+
+
+# The per-layer functional statistics: each read from one row of `functional_summary` (the patch variant
+# that measured it: `patch` removes r, `random` moves the state as far in a random direction of the
+# residuals' shape, `crude` uses a cruder tokenwise part, `context` removes the exact split's context part a,
+# `context_random` moves it as far at random) and one of its columns; `later_only`: only where that row
+# measured the later positions (n_later > 0); `resampled`: `functional_bootstrap` recomputes it (a column of
+# the same name) on every bootstrap resample, so it has an interval and a finding may read it.
+@dataclass(frozen=True)
+class FunctionalStatistic:
+    name: str
+    variant: str
+    column: str
+    later_only: bool = False
+    resampled: bool = False
+
+
+FUNCTIONAL_STATISTICS: tuple[FunctionalStatistic, ...] = (
+    FunctionalStatistic("kl_mean", "patch", "kl_mean"),
+    FunctionalStatistic("kl_median", "patch", "kl_median"),
+    FunctionalStatistic("spearman_relerr_kl", "patch", "spearman_relerr_kl", resampled=True),
+    FunctionalStatistic("spearman_normres_kl", "patch", "spearman_normres_kl", resampled=True),
+    FunctionalStatistic("kl_mean_random_control", "random", "kl_mean"),
+    FunctionalStatistic("kl_mean_crude_control", "crude", "kl_mean"),
+    FunctionalStatistic("kl_mean_context", "context", "kl_mean"),
+    FunctionalStatistic("spearman_ctx_kl", "context", "spearman_normres_kl"),
+    FunctionalStatistic("spearman_ctx_ratio_kl", "context", "spearman_relerr_kl"),
+    FunctionalStatistic("kl_mean_context_random", "context_random", "kl_mean"),
+    FunctionalStatistic("kl_ratio_context_random", "context", "kl_ratio_random"),
+    # finding 4's nulls: the same Spearman with the KL of the random control
+    FunctionalStatistic("spearman_relerr_kl_null", "random", "spearman_relerr_kl", resampled=True),
+    FunctionalStatistic("spearman_normres_kl_null", "random", "spearman_normres_kl", resampled=True),
+    FunctionalStatistic("kl_ratio_random", "patch", "kl_ratio_random", resampled=True),
+    FunctionalStatistic("kl_later_mean", "patch", "kl_later_mean", later_only=True, resampled=True),
+    FunctionalStatistic("kl_at_mean_on_later", "patch", "kl_at_mean_on_later", later_only=True),
+    FunctionalStatistic("spearman_kl_later", "patch", "spearman_kl_later", later_only=True),
+    FunctionalStatistic("kl_later_random_mean", "patch", "kl_later_random_mean", later_only=True, resampled=True),
+    FunctionalStatistic("later_ratio_median", "patch", "later_ratio_median", later_only=True, resampled=True),
+)
+RESAMPLED_FUNCTIONAL: tuple[str, ...] = tuple(s.name for s in FUNCTIONAL_STATISTICS if s.resampled)
+
+# What a finding's measure may read (one row per layer of a class, on the point estimate and on every
+# resample): the geometry statistics, the resampled functional ones, the effective ranks of the singular
+# spectra of Δ_full, Δ_tok and r and of the null's Δ_full and r, each also centred (RANK_STATISTICS),
+# `layer`, `n_layers` (the model's depth, whatever was analysed) and `perm_layer` (the analysed layers'
+# depths shifted round, one shift per resample: Finding.shift_null). The `_null` statistics are the same
+# measures where the claimed structure is absent.
+STATISTICS: tuple[str, ...] = (*GEOMETRY_STATISTICS, *RESAMPLED_FUNCTIONAL)
 
 
 # The effective ranks the findings read, one per (spectrum, centring): (statistic, the spectra's `which`,

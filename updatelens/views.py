@@ -14,14 +14,17 @@ from __future__ import annotations
 from updatelens.findings import (
     EXACT,
     FINDINGS,
+    FUNCTIONAL_STATISTICS,
     GEOMETRY_STATISTIC_DEFS,
     GEOMETRY_STATISTICS,
     JACKKNIFE_FIRST,
     RANK_DEFS,
     RANK_STATISTICS,
+    RESAMPLED_FUNCTIONAL,
     SPLIT_STATISTICS,
     STATISTICS,
     Finding,
+    FunctionalStatistic,
     aggregate_sql,
 )
 from updatelens.schemas import CONTROL_PREFIX
@@ -62,37 +65,21 @@ GROUP BY model, layer, fn_class, config_id
 """.format(statistics=",\n       ".join(f"{aggregate_sql(column, how)} AS {name}"
                                         for name, column, how in GEOMETRY_STATISTIC_DEFS))
 
+# The functional statistics, each read from its variant's row of `functional_summary` (one declaration:
+# findings.FUNCTIONAL_STATISTICS)
+def _functional_pivot(stat: FunctionalStatistic) -> str:
+    later = " AND n_later > 0" if stat.later_only else ""
+    return f"max(CASE WHEN variant = '{stat.variant}'{later} THEN {stat.column} END) AS {stat.name}"
+
+
 LAYER_SUMMARY_FUNCTIONAL = """
 SELECT model, layer, fn_class, config_id,
-       max(CASE WHEN variant = 'patch' THEN kl_mean END) AS kl_mean,
-       max(CASE WHEN variant = 'patch' THEN kl_median END) AS kl_median,
-       max(CASE WHEN variant = 'patch' THEN spearman_relerr_kl END) AS spearman_relerr_kl,
-       max(CASE WHEN variant = 'patch' THEN spearman_normres_kl END) AS spearman_normres_kl,
-       max(CASE WHEN variant = 'random' THEN kl_mean END) AS kl_mean_random_control,
-       max(CASE WHEN variant = 'crude' THEN kl_mean END) AS kl_mean_crude_control,
-       max(CASE WHEN variant = 'context' THEN kl_mean END) AS kl_mean_context,
-       max(CASE WHEN variant = 'context' THEN spearman_normres_kl END) AS spearman_ctx_kl,
-       max(CASE WHEN variant = 'context' THEN spearman_relerr_kl END) AS spearman_ctx_ratio_kl,
-       max(CASE WHEN variant = 'context_random' THEN kl_mean END) AS kl_mean_context_random,
-       max(CASE WHEN variant = 'context' THEN kl_ratio_random END) AS kl_ratio_context_random,
-       max(CASE WHEN variant = 'random' THEN spearman_relerr_kl END) AS spearman_relerr_kl_null,
-       max(CASE WHEN variant = 'random' THEN spearman_normres_kl END) AS spearman_normres_kl_null,
-       max(CASE WHEN variant = 'patch' THEN kl_ratio_random END) AS kl_ratio_random,
-       max(CASE WHEN variant = 'patch' AND n_later > 0 THEN kl_later_mean END) AS kl_later_mean,
-       max(CASE WHEN variant = 'patch' AND n_later > 0 THEN kl_at_mean_on_later END) AS kl_at_mean_on_later,
-       max(CASE WHEN variant = 'patch' AND n_later > 0 THEN spearman_kl_later END) AS spearman_kl_later,
-       max(CASE WHEN variant = 'patch' AND n_later > 0 THEN kl_later_random_mean END) AS kl_later_random_mean,
-       max(CASE WHEN variant = 'patch' AND n_later > 0 THEN later_ratio_median END) AS later_ratio_median
-FROM {functional_summary}
+       {statistics}
+FROM {{functional_summary}}
 GROUP BY model, layer, fn_class, config_id
-"""
+""".format(statistics=",\n       ".join(_functional_pivot(stat) for stat in FUNCTIONAL_STATISTICS))
 
-FUNCTIONAL_COLUMNS = ("kl_mean", "kl_median", "spearman_relerr_kl", "spearman_normres_kl",
-                      "kl_mean_random_control", "kl_mean_crude_control", "kl_mean_context", "spearman_ctx_kl",
-                      "spearman_ctx_ratio_kl", "kl_mean_context_random", "kl_ratio_context_random",
-                      "spearman_relerr_kl_null",
-                      "spearman_normres_kl_null", "kl_ratio_random", "kl_later_mean", "kl_at_mean_on_later",
-                      "spearman_kl_later", "kl_later_random_mean", "later_ratio_median")
+FUNCTIONAL_COLUMNS = tuple(stat.name for stat in FUNCTIONAL_STATISTICS)
 
 # Findings measured under another convention of docs/method.md than the main one:
 # (finding id, the finding it re-measures, the convention, its setting here, the main setting).
@@ -126,9 +113,7 @@ FROM {layer_summary} ls LEFT JOIN (
 LAYER_REPLICATES_SQL = """
 CREATE OR REPLACE VIEW {name} AS
 SELECT g.model, g.config_id, g.fn_class, g.layer, g.replicate, g.model_layers,
-       {geometry_columns}, f.spearman_relerr_kl, f.spearman_normres_kl,
-       f.spearman_relerr_kl_null, f.spearman_normres_kl_null, f.kl_ratio_random,
-       f.kl_later_mean, f.kl_later_random_mean, f.later_ratio_median,
+       {geometry_columns}, {functional_columns},
        {rank_columns}
 FROM {geometry_bootstrap} g LEFT JOIN {functional_bootstrap} f USING (model, layer, config_id, fn_class, replicate)
 """
@@ -145,10 +130,7 @@ GROUP BY model, config_id, fn_class, layer
 ORDER BY model, config_id, layer, fn_class
 """
 
-BAND_STATISTICS: tuple[str, ...] = (*GEOMETRY_STATISTICS, "spearman_relerr_kl", "spearman_normres_kl",
-                                    "spearman_relerr_kl_null", "spearman_normres_kl_null", "kl_ratio_random",
-                                    "kl_later_mean", "kl_later_random_mean", "later_ratio_median",
-                                    *RANK_STATISTICS)
+BAND_STATISTICS: tuple[str, ...] = (*GEOMETRY_STATISTICS, *RESAMPLED_FUNCTIONAL, *RANK_STATISTICS)
 
 # A table, not a view: every finding on every resample is computed once, when the catalog is refreshed
 # from the verified files, instead of in every query that reads
@@ -664,6 +646,7 @@ def findings_sql(prefix: str = "", with_replicates: bool = False, controls: str 
     if with_replicates:
         statements.append(LAYER_REPLICATES_SQL.format(name=f"{prefix}layer_replicates",
                                                       geometry_columns=", ".join(f"g.{c}" for c in GEOMETRY_STATISTICS),
+                                                      functional_columns=", ".join(f"f.{c}" for c in RESAMPLED_FUNCTIONAL),
                                                       geometry_bootstrap=f"{prefix}geometry_bootstrap",
                                                       functional_bootstrap=f"{prefix}functional_bootstrap",
                                                       rank_columns=", ".join(f"g.{c}" for c in RANK_STATISTICS)))

@@ -677,3 +677,17 @@ def test_each_layer_statistic_is_one_definition_the_point_is_the_resample_with_u
         assert resample[name][0] == pytest.approx(value, abs=1e-12), name
     with pytest.raises(ValueError, match="unknown aggregate 'mode'"):
         findings.aggregate_sql("rel_err", "mode")
+
+
+def test_the_functional_statistics_are_declared_once_and_the_tables_carry_them() -> None:
+    """Each functional statistic reads a column that `functional_summary` stores, and exactly the resampled
+    ones are the columns `functional_bootstrap` stores on every resample, so the views rendered from the
+    declaration read what the stage writes (a statistic added in one place and not the other fails here)."""
+    from updatelens.findings import FUNCTIONAL_STATISTICS, RESAMPLED_FUNCTIONAL, STATISTICS
+    from updatelens.schemas import columns
+
+    summary = {c.name for c in columns("functional_summary")}
+    assert {stat.column for stat in FUNCTIONAL_STATISTICS} <= summary
+    bootstrap = [c.name for c in columns("functional_bootstrap") if c.name.startswith(("spearman", "kl_", "later_"))]
+    assert tuple(bootstrap) == RESAMPLED_FUNCTIONAL
+    assert set(RESAMPLED_FUNCTIONAL) <= set(STATISTICS) and len(set(STATISTICS)) == len(STATISTICS)
