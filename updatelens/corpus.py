@@ -7,6 +7,7 @@ mask, sees exactly what a Transformer sees). The sample is windows [offset, offs
 from __future__ import annotations
 
 import bz2
+import hashlib
 import importlib.util
 import re
 import stat
@@ -225,6 +226,53 @@ def read_documents(entry: CorpusEntry) -> Generator[str, None, None]:
         yield from read_hub_dataset(entry)
 
 
+# ---- token ids, kept per process ----------------------------------------------------------------
+# A sample tokenises whole documents (a Wikipedia article is thousands of tokens) to cut a few windows
+# from each, and a process that draws several samples (a convergence study's sizes, a sweep, the tests)
+# drew the same documents' ids again each time. The ids are kept per (tokenizer, document text): the
+# tokenizer is named by a digest of its whole serialised definition (vocabulary, merges, normaliser,
+# pre-tokeniser, added tokens), so another tokenizer, or the same text under another one, is tokenised
+# anew. Bounded: past TOKEN_CACHE_IDS ids the kept ids are dropped.
+TOKEN_CACHE_IDS = 20_000_000  # int32: 80 MB at most
+_TOKENS: dict[tuple[str, str], np.ndarray] = {}
+_TOKENS_LOCK = threading.Lock()
+_DIGESTS: dict[int, tuple[object, str]] = {}  # id(tokenizer) -> (the tokenizer, its digest)
+
+
+def _tokenizer_digest(tokenizer: object) -> str | None:
+    """A digest of a fast tokenizer's serialised definition, None for one without it (not cached)."""
+    known = _DIGESTS.get(id(tokenizer))
+    if known is not None and known[0] is tokenizer:
+        return known[1]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        return None
+    digest = hashlib.sha256(f"{type(tokenizer).__name__}\n{backend.to_str()}".encode()).hexdigest()
+    if len(_DIGESTS) > 16:
+        _DIGESTS.clear()
+    _DIGESTS[id(tokenizer)] = (tokenizer, digest)
+    return digest
+
+
+def token_ids(tokenizer: object, doc: str) -> np.ndarray:
+    """The document's token ids (no special tokens), from the per-process cache where the tokenizer
+    has a serialised definition to name it by."""
+    digest = _tokenizer_digest(tokenizer)
+    if digest is None:
+        return np.asarray(tokenizer(doc, add_special_tokens=False)["input_ids"], dtype=np.int64)  # type: ignore[operator]
+    with _TOKENS_LOCK:
+        kept = _TOKENS.get((digest, doc))
+    if kept is not None:
+        return kept
+    ids = np.asarray(tokenizer(doc, add_special_tokens=False)["input_ids"], dtype=np.int32)  # type: ignore[operator]
+    ids.setflags(write=False)
+    with _TOKENS_LOCK:
+        if sum(len(v) for v in _TOKENS.values()) + len(ids) > TOKEN_CACHE_IDS:
+            _TOKENS.clear()
+        _TOKENS[(digest, doc)] = ids
+    return ids
+
+
 def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int, offset: int = 0,
                 windows_per_doc: int = 0, first_token: int | None = None) -> Sample:
     """Tokenise documents in order and cut non-overlapping windows of seq_len tokens, at most
@@ -241,11 +289,11 @@ def make_sample(entry: CorpusEntry, tokenizer: object, n_seq: int, seq_len: int,
     with closing(read_documents(entry)) as docs:
         for d_idx, doc in enumerate(docs):
             n_docs += 1
-            ids = tokenizer(doc, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+            ids = token_ids(tokenizer, doc)
             total_tokens += len(ids)
             starts = range(0, len(ids) - body + 1, body)
             for start in starts[:windows_per_doc] if windows_per_doc else starts:
-                windows.append(head + ids[start : start + body])
+                windows.append(head + ids[start : start + body].tolist())
                 doc_of.append(d_idx)
                 if len(windows) >= need:
                     break

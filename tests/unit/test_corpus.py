@@ -85,3 +85,41 @@ def test_windows_per_document_spread_the_sample_over_documents(monkeypatch: pyte
     assert two.doc_index.tolist() == [0, 0, 1, 1, 2]
     with pytest.raises(CorpusError, match="at most 1 per document .windows_per_doc.*raise windows_per_doc"):
         make_sample(entry, WordTokenizer(), n_seq=7, seq_len=10, windows_per_doc=1)
+
+
+def _fast_tokenizer(words: list[str]) -> object:
+    """A fast (Rust-backed) word-level tokenizer over `words`, counting how often it is called."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    class Counting(PreTrainedTokenizerFast):
+        calls = 0
+
+        def __call__(self, *args: object, **kwargs: object) -> object:
+            type(self).calls += 1
+            return super().__call__(*args, **kwargs)
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", *words])}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Counting(tokenizer_object=backend, unk_token="<unk>")
+
+
+def test_token_ids_are_kept_per_tokenizer_and_text(tmp_path: Path) -> None:
+    """A second sample of the same corpus by the same tokenizer (another object made from the same
+    definition) takes the ids kept from the first, with no tokenizer call; another tokenizer's sample of
+    the same text is tokenised anew and equals what that tokenizer gives uncached."""
+    path = tmp_path / "c.txt"
+    path.write_text(" ".join(f"w{i % 50}" for i in range(400)))
+    entry = CorpusEntry("c", "text", path=str(path))
+    words = [f"w{i}" for i in range(50)]
+    first = _fast_tokenizer(words)
+    a = make_sample(entry, first, n_seq=4, seq_len=20)
+    again = _fast_tokenizer(words)  # the same definition, another object
+    calls = type(again).calls
+    assert np.array_equal(make_sample(entry, again, n_seq=4, seq_len=20).input_ids, a.input_ids)
+    assert type(again).calls == calls
+    other = _fast_tokenizer(list(reversed(words)))  # other ids for the same words
+    b = make_sample(entry, other, n_seq=4, seq_len=20)
+    assert type(other).calls == 1 and not np.array_equal(b.input_ids, a.input_ids)
+    uncached = np.asarray(other(path.read_text(), add_special_tokens=False)["input_ids"][:80]).reshape(4, 20)
+    assert np.array_equal(b.input_ids, uncached)
