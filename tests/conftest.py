@@ -3,6 +3,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # The longest tests (2-3 minutes each, mostly waiting on subprocesses) start first: collected late, one
 # of them leaves a worker running alone at the end while the other has nothing left to take.
 LONGEST_FIRST = ("test_partitions_launched_by_clicking_in_the_ui_are_followed_by_their_report",
+                 "test_pipeline_on_local_cluster_equals_local_run",
                  "test_sigkill_mid_write_before_the_manifest_and_mid_replace_leave_only_verified_files")
 
 
@@ -62,16 +64,18 @@ def _cpu_seconds() -> float:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     """With $UPDATELENS_TEST_RSS_LOG set, a line per test: its process's peak resident memory before and
-    after it (VmHWM only grows: the test where it jumps is the one that took the memory), and the CPU
-    seconds it took, its subprocesses included (those it waited for)."""
+    after it (VmHWM only grows: the test where it jumps is the one that took the memory), the CPU
+    seconds it took, its subprocesses included (those it waited for), when it started (epoch seconds)
+    and its wall seconds: what each test process did when."""
     from updatelens.orchestration.commands import _peak_rss_gib  # what `run` reports: VmHWM
 
     log = os.environ.get(RSS_LOG)
-    before, cpu = (_peak_rss_gib(), _cpu_seconds()) if log else (0.0, 0.0)
+    before, cpu, start = (_peak_rss_gib(), _cpu_seconds(), time.time()) if log else (0.0, 0.0, 0.0)
     result = yield
     if log:
         with open(log, "a") as out:
-            out.write(f"{os.getpid()} {before:.3f} {_peak_rss_gib():.3f} {_cpu_seconds() - cpu:.1f} {item.nodeid}\n")
+            out.write(f"{os.getpid()} {before:.3f} {_peak_rss_gib():.3f} {_cpu_seconds() - cpu:.1f} "
+                      f"{start:.1f} {time.time() - start:.1f} {item.nodeid}\n")
     return result
 
 
