@@ -294,7 +294,10 @@ class Drill:
             time.sleep(0.2)
         subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True)
         out, _ = proc.communicate()
-        outcome.detected = proc.returncode not in (0, None) and "No space left" in out
+        # the run's one line names the full disk and the root: the OSError's own words ("No space left"), or
+        # the product's where a library reports it otherwise (sqlite: "disk I/O error"); never a traceback
+        outcome.detected = (proc.returncode not in (0, None) and "Traceback" not in out
+                            and ("No space left" in out or "the disk is full" in out))
         said = [line for line in out.splitlines() if "No space left" in line or "updatelens run:" in line]
         outcome.detection = (said[-1].strip() if said else out[-300:])[:300]
         vrc, vout = self.verify()
