@@ -12,6 +12,7 @@ import importlib.util
 import re
 import stat
 import threading
+import weakref
 import xml.etree.ElementTree as ET
 from collections.abc import Generator, Iterator
 from contextlib import closing
@@ -234,23 +235,37 @@ def read_documents(entry: CorpusEntry) -> Generator[str, None, None]:
 # pre-tokeniser, added tokens), so another tokenizer, or the same text under another one, is tokenised
 # anew. Bounded: past TOKEN_CACHE_IDS ids the kept ids are dropped.
 TOKEN_CACHE_IDS = 20_000_000  # int32: 80 MB at most
-_TOKENS: dict[tuple[str, str], np.ndarray] = {}
-_TOKENS_LOCK = threading.Lock()
-_DIGESTS: dict[int, tuple[object, str]] = {}  # id(tokenizer) -> (the tokenizer, its digest)
+
+
+@dataclass
+class _KeptTokens:
+    ids: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)  # (tokenizer digest, text) -> ids
+    count: int = 0  # ids kept, all documents together
+    # id(tokenizer) -> (a weak reference to it, its digest): a tokenizer's digest is computed once, and
+    # the tokenizer is not kept alive by it
+    digests: dict[int, tuple[weakref.ref[object], str]] = field(default_factory=dict)
+
+
+_KEPT = _KeptTokens()
+_KEPT_LOCK = threading.Lock()
 
 
 def _tokenizer_digest(tokenizer: object) -> str | None:
     """A digest of a fast tokenizer's serialised definition, None for one without it (not cached)."""
-    known = _DIGESTS.get(id(tokenizer))
-    if known is not None and known[0] is tokenizer:
+    known = _KEPT.digests.get(id(tokenizer))
+    if known is not None and known[0]() is tokenizer:
         return known[1]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "to_str"):
         return None
     digest = hashlib.sha256(f"{type(tokenizer).__name__}\n{backend.to_str()}".encode()).hexdigest()
-    if len(_DIGESTS) > 16:
-        _DIGESTS.clear()
-    _DIGESTS[id(tokenizer)] = (tokenizer, digest)
+    try:
+        reference = weakref.ref(tokenizer)
+    except TypeError:  # no weak references to it: its digest is computed on each sample
+        return digest
+    with _KEPT_LOCK:
+        _KEPT.digests = {k: v for k, v in _KEPT.digests.items() if v[0]() is not None}
+        _KEPT.digests[id(tokenizer)] = (reference, digest)
     return digest
 
 
@@ -260,16 +275,18 @@ def token_ids(tokenizer: object, doc: str) -> np.ndarray:
     digest = _tokenizer_digest(tokenizer)
     if digest is None:
         return np.asarray(tokenizer(doc, add_special_tokens=False)["input_ids"], dtype=np.int64)  # type: ignore[operator]
-    with _TOKENS_LOCK:
-        kept = _TOKENS.get((digest, doc))
+    with _KEPT_LOCK:
+        kept = _KEPT.ids.get((digest, doc))
     if kept is not None:
         return kept
     ids = np.asarray(tokenizer(doc, add_special_tokens=False)["input_ids"], dtype=np.int32)  # type: ignore[operator]
     ids.setflags(write=False)
-    with _TOKENS_LOCK:
-        if sum(len(v) for v in _TOKENS.values()) + len(ids) > TOKEN_CACHE_IDS:
-            _TOKENS.clear()
-        _TOKENS[(digest, doc)] = ids
+    with _KEPT_LOCK:
+        if _KEPT.count + len(ids) > TOKEN_CACHE_IDS:
+            _KEPT.ids, _KEPT.count = {}, 0
+        if (digest, doc) not in _KEPT.ids:
+            _KEPT.ids[(digest, doc)] = ids
+            _KEPT.count += len(ids)
     return ids
 
 
