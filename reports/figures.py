@@ -48,10 +48,10 @@ def fixed_subplots(nrows: int, ncols: int, figsize: tuple[float, float], right: 
     """plt.subplots with the fixed margins above (inches; `titled`: room for a figure title), squeeze off."""
     fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=False, gridspec_kw=gridspec_kw)
     width, height = figsize
+    top = TOP_TITLED if titled else TOP
     panel_w = (width - LEFT - right - (ncols - 1) * h_gap) / ncols
-    panel_h = (height - BOTTOM - (TOP_TITLED if titled else TOP) - (nrows - 1) * V_GAP) / nrows
-    fig.subplots_adjust(left=LEFT / width, right=1 - right / width, bottom=BOTTOM / height,
-                        top=1 - (TOP_TITLED if titled else TOP) / height,
+    panel_h = (height - BOTTOM - top - (nrows - 1) * V_GAP) / nrows
+    fig.subplots_adjust(left=LEFT / width, right=1 - right / width, bottom=BOTTOM / height, top=1 - top / height,
                         wspace=h_gap / panel_w, hspace=V_GAP / panel_h)
     return fig, axes
 
