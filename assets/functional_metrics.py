@@ -24,7 +24,7 @@ from updatelens.assets.common import (
 from updatelens.assets.resources import release_models
 from updatelens.capture import block_output_is_tuple
 from updatelens.models import LoadedModel
-from updatelens.perturbation import OriginalOutput, original_output
+from updatelens.perturbation import OriginalOutput, original_output, vocab_size
 from updatelens.steps.functional_metrics import (
     Measure,
     functional_bootstrap_table,
@@ -46,7 +46,10 @@ def functional_metrics(run: StageRun) -> None:
             heads[layer] = check_upstream(store, "activations", model, layer, cfg)
             check_upstream(store, "local_fits", model, layer, cfg)
         input_ids, kept = sample_index(store, model, layers[0])
-        identity = IdentityChecks(lm, original_output(lm, input_ids[: settings.identity_sequences], cfg.patch_batch),
+        # the checks patch the first block of sequences only, so the reference covers no more of them
+        # (Gemma: 1 sequence, 128 MiB of log-probabilities, not 2)
+        checked = min(settings.identity_sequences, cfg.kl_block_size(vocab_size(lm)))
+        identity = IdentityChecks(lm, original_output(lm, input_ids[:checked], cfg.patch_batch),
                                   cfg.patch_batch, returns_tuple, settings, layers[-1])
         measures = [Measure(layer, cfg, stored_fits(store, model, layer)) for layer in layers]
         found = stream_functional(lm, input_ids, kept, measures, stored_activations(store, model), cfg, returns_tuple,

@@ -238,11 +238,13 @@ def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_hea
     module = output_layer(lm)
     head = LinearHead(module.weight) if fast_head and isinstance(module, nn.Linear) else None
 
-    def forward(start: int, stop: int, bypass: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(start: int, stop: int, bypass: bool, positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits, None), or with `bypass` (head input, None); the head's recorded output beside
-        the logits when `head` is set and not bypassed (the check)."""
-        ids = torch.as_tensor(input_ids[start:stop], device=lm.device)
-        resumed = (resume_at_block(lm.blocks, resume[0], torch.as_tensor(resume[1][start:stop], device=lm.device),
+        the logits when `head` is set and not bypassed (the check). `positions`: only the first ones
+        (a causal model's outputs there do not depend on the later ones)."""
+        ids = torch.as_tensor(input_ids[start:stop, :positions], device=lm.device)
+        resumed = (resume_at_block(lm.blocks, resume[0],
+                                   torch.as_tensor(resume[1][start:stop, :positions], device=lm.device),
                                    returns_tuple) if resume is not None else nullcontext())
         if bypass:
             assert module is not None
@@ -255,8 +257,8 @@ def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_hea
         return logits, seen.get("output")
 
     with torch.inference_mode():
-        if head is not None:  # is the head's output the model's logits? (one sequence)
-            logits, recorded = forward(0, 1, bypass=False)
+        if head is not None:  # is the head's output the model's logits? (the first positions of one sequence)
+            logits, recorded = forward(0, 1, bypass=False, positions=HEAD_CHECK_POSITIONS)
             if recorded is None or not torch.equal(recorded.to(logits.dtype), logits):
                 return original_output(lm, input_ids, batch, False, resume, returns_tuple)  # post-processed logits
             del logits, recorded
@@ -286,7 +288,8 @@ def original_output(lm: LoadedModel, input_ids: np.ndarray, batch: int, fast_hea
     return OriginalOutput(logp, head, torch.cat(inputs), torch.stack(mean_rows))
 
 
-TEMP_BYTES = 2**26  # float64 log-probabilities made at once by the unpatched pass: 64 MiB
+TEMP_BYTES = 2**24  # float64 log-probabilities made at once by the unpatched pass: 16 MiB
+HEAD_CHECK_POSITIONS = 8  # the head's fast path is checked on this many positions (Gemma: 8 MiB of logits, not 128)
 
 
 def vocab_size(lm: LoadedModel) -> int:
@@ -295,7 +298,7 @@ def vocab_size(lm: LoadedModel) -> int:
 
 def _position_runs(n_positions: int, vocab: int) -> list[tuple[int, int]]:
     """Runs of positions whose float64 log-probabilities fit in TEMP_BYTES (Gemma's 262,144-token
-    vocabulary: 32 positions; SmolLM2's 49,152: 170, a whole 128-token sequence)."""
+    vocabulary: 8 positions; SmolLM2's 49,152: 42)."""
     step = max(1, TEMP_BYTES // (vocab * 8))
     return [(p, min(n_positions, p + step)) for p in range(0, n_positions, step)]
 
