@@ -21,7 +21,8 @@ from upath import UPath
 from updatelens.errors import UpdateLensError
 from updatelens.findings import FINDINGS
 from updatelens.reports import figures as fig
-from updatelens.reports.html import figure_section, html_table, page, png
+from updatelens.reports.html import figure_section, html_table, page
+from updatelens.reports.pngs import save_pngs
 from updatelens.stages import TABLES
 from updatelens.storage import catalog
 from updatelens.storage.integrity import incomplete_layers, mixed_layers
@@ -241,11 +242,12 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
         ranks = _frame(con, f"SELECT DISTINCT layer, fn_class, which, effective_rank FROM spectra WHERE {where}", params)
         bands = (_frame(con, f"SELECT * FROM layer_bands WHERE {where}", params)
                  if "layer_bands" in views else pl.DataFrame())
-        angles = _frame(con, f"SELECT layer, fn_class, angle_full_res FROM geometry WHERE {where} AND {in_picks}", params)
+        angles = _frame(con, f"SELECT layer, fn_class, angle_full_res FROM geometry WHERE {where} AND {in_picks} "
+                             f"ORDER BY layer, fn_class, seq, pos", params)  # the order of drawing: fixed
         points = _frame(con, f"SELECT layer, fn_class, rel_err, kl FROM functional_metrics WHERE {where} AND {in_picks} "
-                             f"AND variant = 'patch'", params)
-        spectra = _frame(con, f"SELECT layer, fn_class, which, idx, cum_energy FROM spectra WHERE {where} AND {in_picks}",
-                         params)
+                             f"AND variant = 'patch' ORDER BY layer, fn_class, seq, pos", params)
+        spectra = _frame(con, f"SELECT layer, fn_class, which, idx, cum_energy FROM spectra WHERE {where} AND {in_picks} "
+                              f"ORDER BY layer, fn_class, which, idx", params)
         findings = _frame(con, f"SELECT * FROM findings WHERE {where} ORDER BY finding", params)
         split = (_frame(con, f"SELECT * FROM context_split_summary WHERE {where} ORDER BY layer", params)
                  if "context_split_summary" in views else pl.DataFrame())
@@ -304,8 +306,7 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
     config = json.loads(prov["config_json"])
 
     def fill(staging: Path) -> None:
-        for name, draw in drawings.items():
-            png(draw(), staging / f"{name}.png")
+        save_pngs({staging / f"{name}.png": draw() for name, draw in drawings.items()})
         sections = [
             "<h2>Provenance</h2>" + html_table(pl.DataFrame({
                 "model": [model], "revision": [prov["model_revision"]], "weights": [prov["weights"]],
@@ -497,7 +498,12 @@ def build_comparison(root: RootLike) -> Report:
         if any(not c.is_empty() for c in context_parts) else pl.DataFrame()
 
     def fill(staging: Path) -> None:
-        png(fig.comparison_curves(summary, "per-layer curves on normalised depth", bands), staging / "comparison_curves.png")
+        figures = {staging / "comparison_curves.png": fig.comparison_curves(summary, "per-layer curves on normalised depth",
+                                                                            bands)}
+        if not context.is_empty():
+            figures[staging / "context_across_models.png"] = fig.context_across_models(
+                context, "what attention to the context adds, on normalised depth")
+        save_pngs(figures)
         sections = [
             "<h2>Findings by model</h2><p>Each finding per model, on its best class: value [95% interval]; its null "
             "[interval]; its positive control [interval], where the finding has one: verdict (holds, fails, "
@@ -511,8 +517,6 @@ def build_comparison(root: RootLike) -> Report:
             + html_table(findings.group_by("model", "config_id", "fn_class", "weights").agg().sort("model")),
         ]
         if not context.is_empty():
-            png(fig.context_across_models(context, "what attention to the context adds, on normalised depth"),
-                 staging / "context_across_models.png")
             sections.append("<h2>What attention to the context adds</h2><p>Per model (attention models; Mamba has no "
                             "such split), the exact split on normalised depth: the median ||a|| / ||Δ_full|| and "
                             "cos(Δ_full, Δ_ctl) with their 95% bands over documents, and the share of a that the "

@@ -7,18 +7,9 @@ import base64
 import html
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import polars as pl
-from matplotlib.figure import Figure
 
 from updatelens.verdicts import VERDICTS
-
-DPI = 90
-
-
-def png(figure: Figure, path: Path) -> None:
-    figure.savefig(path, dpi=DPI)
-    plt.close(figure)
 
 
 def data_uri(path: Path) -> str:
