@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, Any
 from updatelens.orchestration.output import print_frame
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import dagster as dg
+    import polars as pl
 
     from updatelens.assets.resources import UpdateLensResource
     from updatelens.storage.store import Store
@@ -260,11 +263,12 @@ def _print_reports(store: Store, models: list[str]) -> None:
           "structure; self_first and linear, the same measure when the truth is tokenwise by construction "
           "(positive controls); estimator-limited: the value does not clear and the tokenwise target does not "
           "either, so the estimator cannot show the structure at this sample size")
-    print_frame(store.query(FINDINGS_SQL, [list(models)]))
-    for line in _power_lines(store, models):
-        print(line)
-    weights = store.query("SELECT DISTINCT model, weights FROM findings WHERE list_contains($1, model) "
-                          "ORDER BY model", [list(models)])
+    with store.reading() as query:
+        print_frame(query(FINDINGS_SQL, [list(models)]))
+        for line in _power_lines(query, models):
+            print(line)
+        weights = query("SELECT DISTINCT model, weights FROM findings WHERE list_contains($1, model) "
+                        "ORDER BY model", [list(models)])
     for row in weights.to_dicts():
         print(f"{row['model']} ran with {row['weights']}")
     for model in models:
@@ -272,22 +276,22 @@ def _print_reports(store: Store, models: list[str]) -> None:
     print(f"comparison across models: {base / COMPARISON / 'index.html'}")
 
 
-def _power_lines(store: Store, models: list[str]) -> list[str]:
+def _power_lines(query: Callable[[str, list[object] | None], pl.DataFrame], models: list[str]) -> list[str]:
     """Per model, what the calibration study says of finding 1's power at the size this root's sample
     has: from the root's `calibration` view where it holds the model's rows, else the record shipped
     for the model (updatelens.power); nothing for a model with neither."""
     from updatelens.power import COLUMNS, power_line, shipped_rows
 
-    views = set(store.query("SELECT view_name FROM duckdb_views()")["view_name"].to_list())
+    views = set(query("SELECT view_name FROM duckdb_views()", None)["view_name"].to_list())
     if "layer_summary" not in views:
         return []
-    sizes = store.query("SELECT model, max(n_tokens) AS n_tokens FROM layer_summary WHERE list_contains($1, model) "
-                        "GROUP BY model ORDER BY model", [list(models)])
+    sizes = query("SELECT model, max(n_tokens) AS n_tokens FROM layer_summary WHERE list_contains($1, model) "
+                  "GROUP BY model ORDER BY model", [list(models)])
     has_view = "calibration" in views
     lines = []
     for row in sizes.to_dicts():
         model = row["model"]
-        measured = (store.query(f"SELECT {', '.join(COLUMNS)} FROM calibration WHERE model = $1", [model])
+        measured = (query(f"SELECT {', '.join(COLUMNS)} FROM calibration WHERE model = $1", [model])
                     if has_view else None)
         if measured is not None and not measured.is_empty():
             lines.append(f"{model}: " + power_line(measured, int(row["n_tokens"]), "this root's view calibration"))

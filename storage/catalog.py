@@ -28,7 +28,8 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -637,9 +638,25 @@ def query(root: RootLike, sql: str, params: list[object] | None = None, write: b
     with connect(root, read_only=not write) as con:
         if not write:
             refuse_writes(con, sql)
-        rel = con.sql(sql, params=params) if params else con.sql(sql)
-        if rel is not None:
-            return rel.pl()
+        return _rows(con, sql, params)
+
+
+def _rows(con: duckdb.DuckDBPyConnection, sql: str, params: list[object] | None) -> pl.DataFrame:
+    rel = con.sql(sql, params=params) if params else con.sql(sql)
+    if rel is not None:
+        return rel.pl()
     import polars as pl
 
     return pl.DataFrame()
+
+
+@contextmanager
+def reading(root: RootLike) -> Iterator[Callable[[str, list[object] | None], pl.DataFrame]]:
+    """`query` for several reading statements over one connection (each opening costs a check that
+    nothing under the root changed): yields a function (sql, params) -> polars frame."""
+    with connect(root, read_only=True) as con:
+        def read(sql: str, params: list[object] | None = None) -> pl.DataFrame:
+            refuse_writes(con, sql)
+            return _rows(con, sql, params)
+
+        yield read

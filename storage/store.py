@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,6 +215,10 @@ class Store:
 
     def query(self, sql: str, params: list[object] | None = None, write: bool = False) -> pl.DataFrame:
         return catalog.query(self.root, sql, params, write)
+
+    def reading(self) -> AbstractContextManager[Callable[[str, list[object] | None], pl.DataFrame]]:
+        """Several reading statements over one connection: `with store.reading() as query: query(sql, params)`."""
+        return catalog.reading(self.root)
 
     def catalog_path(self) -> Path | None:
         return catalog.catalog_path(self.root)
