@@ -223,7 +223,7 @@ def controls(summary: pl.DataFrame, title: str, bands: pl.DataFrame | None = Non
         if "kl_later_random_mean" in later.columns and later["kl_later_random_mean"].is_not_null().any():
             later_ax.plot(layer, later["kl_later_random_mean"].to_numpy(), "^:", ms=3, color="black",
                           label="the same, random move of the same length")
-        if bands is not None:
+        if bands is not None and not bands.is_empty():
             primary = bands.filter(pl.col("fn_class") == later["fn_class"][0])
             band(later_ax, primary, "kl_later_mean", "tab:purple")
             band(later_ax, primary, "kl_later_random_mean", "black")

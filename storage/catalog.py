@@ -124,8 +124,8 @@ def damaged_view_sql(damaged: list[Damaged]) -> str:
 
 DERIVED_VIEWS = ("layer_summary", "layer_replicates", "layer_bands", "finding_replicates", "findings_by_class",
                  "findings")
-# the derived relations computed into tables (FINDING_REPLICATES_SQL), per family prefix
-DERIVED_TABLES = ("finding_replicates",)
+# the derived relations computed into tables (LAYER_BANDS_SQL, FINDING_REPLICATES_SQL), per family prefix
+DERIVED_TABLES = ("layer_bands", "finding_replicates")
 FAMILY_PREFIXES = ("", "sweep_", "conv_", "control_", "conv_control_")
 # the positive controls' tables (updatelens.steps.controls): the geometry stage's tables, one per control
 CONTROL_TABLES = tuple(t for t in TABLES if t.startswith(CONTROL_PREFIX))
@@ -160,7 +160,8 @@ def _create_family(con: duckdb.DuckDBPyConnection, present: set[str], prefix: st
             views.append(f"{prefix}layer_summary")
         if {"geometry", "functional_summary", "spectra"} <= present:
             replicates = {"geometry_bootstrap", "functional_bootstrap"} <= present
-            _drop(con, f"{prefix}finding_replicates")  # a table now: an older catalog's view goes first
+            for table in DERIVED_TABLES:  # tables now: an older catalog's views go first
+                _drop(con, f"{prefix}{table}")
             for statement in findings_sql(prefix, replicates, controls):
                 con.execute(statement)
             views += [f"{prefix}layer_replicates", f"{prefix}layer_bands"] * replicates + [f"{prefix}finding_replicates",

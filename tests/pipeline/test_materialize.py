@@ -420,6 +420,26 @@ def test_a_sweep_rerun_cut_short_leaves_the_previous_sweep_served(run, monkeypat
     assert not list((lens.root / "sweeps").glob("_next/*"))  # its staged tables went with it
 
 
+def test_report_figures_draw_the_bands_of_the_stored_resamples(run, monkeypatch) -> None:
+    """layer_bands (a table the catalog derives, not a view) reaches the figures that shade the 95% bands."""
+    from updatelens.reports import figures
+    from updatelens.reports.build import build_model_report
+
+    lens, _ = run
+    seen = {}
+    drawn = figures.layer_curves
+
+    def layer_curves(summary, ranks, title, bands=None):
+        seen["bands"] = bands
+        return drawn(summary, ranks, title, bands)
+
+    monkeypatch.setattr(figures, "layer_curves", layer_curves)
+    build_model_report(lens.root, MODELS[0])
+    bands = seen["bands"]
+    assert not bands.is_empty() and bands["rel_err_median_lo"].is_not_null().all()
+    assert (bands["rel_err_median_lo"] <= bands["rel_err_median_hi"]).all()
+
+
 def test_updatelens_report_regenerates_without_recomputing(run, monkeypatch, tmp_path: Path, capsys) -> None:
     from updatelens.orchestration.cli import main
     from updatelens.reports.build import reports_root
