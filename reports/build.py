@@ -465,9 +465,9 @@ def build_comparison(root: RootLike) -> Report:
         if "findings" not in _views(con):
             raise ReportError(f"no complete results are stored under {root}; materialize a model first")
         models = _frame(con, "SELECT DISTINCT model FROM layer_summary ORDER BY model")["model"].to_list()
-        has_bands = "layer_bands" in _views(con)
-        parts, finding_parts, band_parts, context_parts = [], [], [], []
         views = _views(con)
+        has_bands = "layer_bands" in views
+        parts, finding_parts, band_parts, context_parts = [], [], [], []
         for model in models:
             config_id, _ = _main_config(con, model)
             context_parts.append(_context_across(con, views, model, config_id))
@@ -483,10 +483,13 @@ def build_comparison(root: RootLike) -> Report:
                 band_parts.append(_frame(con, "SELECT * FROM layer_bands WHERE model = ? AND config_id = ? AND fn_class = ?",
                                          [model, config_id, best]))
         shown = [f"{f['model'][0]}/{f['config_id'][0]}" for f in finding_parts]  # each model's main config
-        across = _frame(con, "SELECT finding, model_a, model_b, value_a, value_b, diff, diff_ci_lo, diff_ci_hi, "
-                             "n_resamples, resampling, model_a || '/' || config_a AS key_a, model_b || '/' || config_b AS key_b "
-                             "FROM findings_across_models ORDER BY finding, model_a, model_b")
-        across = across.filter(pl.col("key_a").is_in(shown) & pl.col("key_b").is_in(shown)).drop(["key_a", "key_b"])
+        across = pl.DataFrame()  # with one model shown there is no pair to compare
+        if len(shown) > 1:
+            across = _frame(con, "SELECT finding, model_a, model_b, value_a, value_b, diff, diff_ci_lo, diff_ci_hi, "
+                                 "n_resamples, resampling, model_a || '/' || config_a AS key_a, "
+                                 "model_b || '/' || config_b AS key_b "
+                                 "FROM findings_across_models ORDER BY finding, model_a, model_b")
+            across = across.filter(pl.col("key_a").is_in(shown) & pl.col("key_b").is_in(shown)).drop(["key_a", "key_b"])
     if not parts:
         raise ReportError(f"no model under {root} has findings yet (all five stages are needed)")
     summary = pl.concat(parts, how="diagonal_relaxed").with_columns(  # the model's real depth, whatever was analysed
