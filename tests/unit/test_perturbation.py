@@ -420,3 +420,19 @@ def test_the_context_control_removes_the_exact_splits_context_part(tiny_models: 
     assert np.max(np.asarray(none["kl"])) < 1e-6  # nothing removed: the model's own output
     without = dataclasses.replace(data, y_ctl_full=None)
     assert [v.name for v in build_variants(without, fits, cfg)] == ["patch", "patch"]
+
+
+def test_position_runs_cover_the_sequence_in_equal_runs_of_a_multiple_of_8() -> None:
+    """Uneven runs (42, 42, 42, 2 for SmolLM2) moved log-probabilities by 2e-5; equal runs of a multiple of 8
+    give the whole-sequence product's bits."""
+    from updatelens.perturbation import TEMP_BYTES, _position_runs
+
+    for positions, vocab in ((128, 49_152), (128, 262_144), (512, 49_152), (100, 49_152), (16, 50_257)):
+        runs = _position_runs(positions, vocab)
+        assert runs[0][0] == 0 and runs[-1][1] == positions
+        assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+        sizes = [b - a for a, b in runs]
+        assert len(set(sizes[:-1])) <= 1 and sizes[-1] <= sizes[0]
+        if len(runs) > 1:
+            assert sizes[0] % 8 == 0 and sizes[0] * vocab * 8 <= TEMP_BYTES + 7 * vocab * 8
+    assert _position_runs(128, 49_152) == [(0, 32), (32, 64), (64, 96), (96, 128)]
