@@ -259,7 +259,7 @@ def _print_reports(store: Store, models: list[str]) -> None:
     from updatelens.reports.build import COMPARISON, reports_root
 
     base = reports_root(store.root)
-    print("\nFindings (SQL table findings, docs/method.md): the null is the same measure without the claimed "
+    print("\nFindings (SQL view findings, docs/method.md): the null is the same measure without the claimed "
           "structure; self_first and linear, the same measure when the truth is tokenwise by construction "
           "(positive controls); estimator-limited: the value does not clear and the tokenwise target does not "
           "either, so the estimator cannot show the structure at this sample size")

@@ -333,7 +333,7 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
             "<b>opposite</b> when the value is beyond its null on the wrong side of the claim, "
             "<b>fails</b> when the whole interval misses the threshold, <b>undecided</b> when it straddles it, "
             "<b>indistinct</b> when it clears the threshold but not the null: noise would pass too. SQL: "
-            f"<code>SELECT * FROM findings WHERE model = '{html.escape(model)}'</code> (its definition below).</p>"
+            f"<code>SELECT * FROM findings WHERE model = '{html.escape(model)}'</code> (view definition below).</p>"
             + html_table(findings_summary(findings))
             + "<details><summary>How each finding is measured, its null and its threshold</summary>"
             + html_table(findings.select("finding", "statement", "measure", "null_source", "threshold_source",

@@ -124,8 +124,8 @@ def damaged_view_sql(damaged: list[Damaged]) -> str:
 
 DERIVED_VIEWS = ("layer_summary", "layer_replicates", "layer_bands", "finding_replicates", "findings_by_class",
                  "findings")
-# the derived relations computed into tables (LAYER_BANDS_SQL, FINDING_REPLICATES_SQL, FINDINGS_SQL), per family prefix
-DERIVED_TABLES = ("layer_bands", "finding_replicates", "findings")
+# the derived relations computed into tables (LAYER_BANDS_SQL, FINDING_REPLICATES_SQL), per family prefix
+DERIVED_TABLES = ("layer_bands", "finding_replicates")
 FAMILY_PREFIXES = ("", "sweep_", "conv_", "control_", "conv_control_")
 # the positive controls' tables (updatelens.steps.controls): the geometry stage's tables, one per control
 CONTROL_TABLES = tuple(t for t in TABLES if t.startswith(CONTROL_PREFIX))

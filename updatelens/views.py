@@ -338,10 +338,8 @@ NO_CONTROLS = ("SELECT NULL::VARCHAR AS model, NULL::VARCHAR AS config_id, NULL:
 CONTROL_REPLICATES = ("SELECT model, split_part(config_id, '/', 1) AS config_id, split_part(config_id, '/', 2) AS control, "
                       "fn_class, finding, replicate, value FROM {prefix}control_finding_replicates")
 
-# A table, as layer_bands and finding_replicates: each finding's interval, null and verdict are computed
-# once, when the catalog is refreshed, not in every query (the report and its printout read them 3 times).
 FINDINGS_SQL = """
-CREATE OR REPLACE TABLE {name} AS
+CREATE OR REPLACE VIEW {name} AS
 WITH best AS (
     SELECT model, config_id, arg_min(fn_class, rel_err) AS fn_class
     FROM (SELECT model, config_id, fn_class, median(rel_err_median) AS rel_err FROM {layer_summary}
