@@ -127,7 +127,7 @@ def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[object] | 
 
 
 def _views(con: duckdb.DuckDBPyConnection) -> set[str]:
-    """The catalog's relations: its views and the tables it derives (layer_bands, finding_replicates)."""
+    """The catalog's relations: its views and the tables it derives (finding_replicates)."""
     return {row[0] for row in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal UNION ALL "
                                           "SELECT table_name FROM duckdb_tables() WHERE NOT internal").fetchall()}
 

@@ -122,10 +122,8 @@ FROM {geometry_bootstrap} g LEFT JOIN {functional_bootstrap} f USING (model, lay
 # shaded bands): `<statistic>_lo` and `<statistic>_hi` per (model, config, class, layer). The effective
 # ranks' bands come from their jackknife replicates, centred on the replicates' mean (within O(1/G) of
 # the curve's point).
-# A table, as finding_replicates below: the quantiles over every resample are computed once, when the
-# catalog is refreshed, not in every report and query that reads the bands.
 LAYER_BANDS_SQL = """
-CREATE OR REPLACE TABLE {name} AS
+CREATE OR REPLACE VIEW {name} AS
 SELECT model, config_id, fn_class, layer, count(*) FILTER (WHERE replicate >= 0) AS n_resamples, {bands}
 FROM {replicates}
 GROUP BY model, config_id, fn_class, layer

@@ -421,7 +421,7 @@ def test_a_sweep_rerun_cut_short_leaves_the_previous_sweep_served(run, monkeypat
 
 
 def test_report_figures_draw_the_bands_of_the_stored_resamples(run, monkeypatch) -> None:
-    """layer_bands (a table the catalog derives, not a view) reaches the figures that shade the 95% bands."""
+    """layer_bands, a view over the resamples, reaches the figures that shade the 95% bands."""
     from updatelens.reports import figures
     from updatelens.reports.build import build_model_report
 
