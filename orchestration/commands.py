@@ -325,6 +325,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from updatelens.reports.build import (
         COMPARISON_FIGURES,
         MODEL_FIGURES,
+        Reads,
         build_comparison,
         build_model_report,
         report_problems,
@@ -344,8 +345,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"updatelens report: no results for {what} under {store.root}; stored: "
               f"{', '.join(available) or 'none'} (run `updatelens run --model ...` first)", file=sys.stderr)
         return 2
-    built = [(build_model_report(store.root, model, config_id), MODEL_FIGURES) for model in models]
-    built.append((build_comparison(store.root), COMPARISON_FIGURES))
+    reads: Reads = {}  # rows read once and shared by the reports of this command: they show the same rows
+    built = [(build_model_report(store.root, model, config_id, reads), MODEL_FIGURES) for model in models]
+    built.append((build_comparison(store.root, reads), COMPARISON_FIGURES))
     problems = [f"{report.index}: {problem}" for report, captions in built for problem in report_problems(report, captions)]
     if problems:
         print(f"updatelens report: incomplete: {'; '.join(problems)}", file=sys.stderr)

@@ -122,8 +122,20 @@ def reports_root(root: RootLike) -> UPath:
     return as_root(root) / REPORTS
 
 
-def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[object] | None = None) -> pl.DataFrame:
-    return con.execute(sql, list(params or [])).pl()
+# Rows already read, by (SQL, parameters): one command that builds several reports from one unchanged root
+# (`updatelens report`: each model's, then the comparison) reads each model's summary, bands and findings
+# once. Only a caller that holds the root unchanged meanwhile passes one.
+Reads = dict[tuple[str, tuple[object, ...]], pl.DataFrame]
+
+
+def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[object] | None = None,
+           reads: Reads | None = None) -> pl.DataFrame:
+    if reads is None:
+        return con.execute(sql, list(params or [])).pl()
+    key = (sql, tuple(params or ()))
+    if key not in reads:
+        reads[key] = con.execute(sql, list(params or [])).pl()
+    return reads[key]
 
 
 def _views(con: duckdb.DuckDBPyConnection) -> set[str]:
@@ -133,12 +145,18 @@ def _views(con: duckdb.DuckDBPyConnection) -> set[str]:
 
 
 # ---- model report -------------------------------------------------------------------------------
-def _main_config(con: duckdb.DuckDBPyConnection, model: str, preferred: str | None = None) -> tuple[str, list[str]]:
+# one model and configuration's rows, as both reports read them
+SUMMARY_SQL = "SELECT * FROM layer_summary WHERE model = ? AND config_id = ? ORDER BY layer, fn_class"
+BANDS_SQL = "SELECT * FROM layer_bands WHERE model = ? AND config_id = ?"
+FINDINGS_SQL = "SELECT * FROM findings WHERE model = ? AND config_id = ? ORDER BY finding"
+
+def _main_config(con: duckdb.DuckDBPyConnection, model: str, preferred: str | None = None,
+                 reads: Reads | None = None) -> tuple[str, list[str]]:
     """The configuration the report shows: `preferred` (the deployment's, i.e. the one just run) where
     it has stored layers, else the one covering most layers (partitions can hold another after a
     partial rerun); a note names the others."""
     counts = _frame(con, "SELECT config_id, count(DISTINCT layer) AS n FROM layer_summary WHERE model = ? "
-                         "GROUP BY config_id ORDER BY n DESC, config_id", [model])
+                         "GROUP BY config_id ORDER BY n DESC, config_id", [model], reads)
     if counts.is_empty():
         raise ReportError(f"no results for model {model!r} are stored; materialize it first "
                           f"(`updatelens run --model {model}`)")
@@ -225,9 +243,10 @@ def report_problems(report: Report, captions: dict[str, str]) -> list[str]:
         ([f"findings without a row: {', '.join(absent)}"] if absent else [])
 
 
-def build_model_report(root: RootLike, model: str, config_id: str | None = None) -> Report:
+def build_model_report(root: RootLike, model: str, config_id: str | None = None, reads: Reads | None = None) -> Report:
     """Regenerate `<root>/reports/<model>/` from the stored tables, showing configuration `config_id`
-    where it is stored (else the one covering most layers); raises ReportError if none is."""
+    where it is stored (else the one covering most layers); raises ReportError if none is. `reads`:
+    rows read before from the same unchanged root (see Reads)."""
     root = as_root(root)
     with catalog.connect(root, read_only=True) as con:
         views = _views(con)
@@ -235,14 +254,14 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
         if missing:
             raise ReportError(f"cannot build a report for {model!r}: the catalog at {root} lacks {sorted(missing)}; "
                               f"materialize all five stages first (`updatelens run --model {model}`)")
-        config_id, notes = _main_config(con, model, config_id)
+        config_id, notes = _main_config(con, model, config_id, reads)
         where, params = "model = ? AND config_id = ?", [model, config_id]
-        summary = _frame(con, f"SELECT * FROM layer_summary WHERE {where} ORDER BY layer, fn_class", params)
+        summary = _frame(con, SUMMARY_SQL, params, reads)
         layers = sorted(summary["layer"].unique().to_list())
         picks = fig.depth_layers(layers)
         in_picks = f"layer IN ({', '.join(str(p) for p in picks)})"
         ranks = _frame(con, f"SELECT DISTINCT layer, fn_class, which, effective_rank FROM spectra WHERE {where}", params)
-        bands = (_frame(con, f"SELECT * FROM layer_bands WHERE {where}", params)
+        bands = (_frame(con, BANDS_SQL, params, reads)
                  if "layer_bands" in views else pl.DataFrame())
         angles = _frame(con, f"SELECT layer, fn_class, angle_full_res FROM geometry WHERE {where} AND {in_picks} "
                              f"ORDER BY layer, fn_class, seq, pos", params)  # the order of drawing: fixed
@@ -250,7 +269,7 @@ def build_model_report(root: RootLike, model: str, config_id: str | None = None)
                              f"AND variant = 'patch' ORDER BY layer, fn_class, seq, pos", params)
         spectra = _frame(con, f"SELECT layer, fn_class, which, idx, cum_energy FROM spectra WHERE {where} AND {in_picks} "
                               f"ORDER BY layer, fn_class, which, idx", params)
-        findings = _frame(con, f"SELECT * FROM findings WHERE {where} ORDER BY finding", params)
+        findings = _frame(con, FINDINGS_SQL, params, reads)
         split = (_frame(con, f"SELECT * FROM context_split_summary WHERE {where} ORDER BY layer", params)
                  if "context_split_summary" in views else pl.DataFrame())
         heads = (_frame(con, f"SELECT * FROM context_heads WHERE {where} ORDER BY layer, kind, idx", params)
@@ -458,8 +477,9 @@ def _context_across(con: duckdb.DuckDBPyConnection, views: set[str], model: str,
     return split.with_columns(depth=pl.col("layer") / pl.max_horizontal(pl.col("model_layers") - 1, pl.lit(1)))
 
 
-def build_comparison(root: RootLike) -> Report:
-    """`<root>/reports/_comparison/`: every model with results, side by side on normalised depth."""
+def build_comparison(root: RootLike, reads: Reads | None = None) -> Report:
+    """`<root>/reports/_comparison/`: every model with results, side by side on normalised depth.
+    `reads`: rows read before from the same unchanged root (see Reads)."""
     root = as_root(root)
     with catalog.connect(root, read_only=True) as con:
         if "findings" not in _views(con):
@@ -469,19 +489,16 @@ def build_comparison(root: RootLike) -> Report:
         has_bands = "layer_bands" in views
         parts, finding_parts, band_parts, context_parts = [], [], [], []
         for model in models:
-            config_id, _ = _main_config(con, model)
+            config_id, _ = _main_config(con, model, reads=reads)
             context_parts.append(_context_across(con, views, model, config_id))
-            findings = _frame(con, "SELECT * FROM findings WHERE model = ? AND config_id = ? AND estimator <> 'exact'",
-                              [model, config_id])
+            findings = _frame(con, FINDINGS_SQL, [model, config_id], reads).filter(pl.col("estimator") != "exact")
             if findings.is_empty():
                 continue
             best = str(findings["fn_class"][0])
-            parts.append(_frame(con, "SELECT * FROM layer_summary WHERE model = ? AND config_id = ? AND fn_class = ?",
-                                [model, config_id, best]))
+            parts.append(_frame(con, SUMMARY_SQL, [model, config_id], reads).filter(pl.col("fn_class") == best))
             finding_parts.append(findings)
             if has_bands:
-                band_parts.append(_frame(con, "SELECT * FROM layer_bands WHERE model = ? AND config_id = ? AND fn_class = ?",
-                                         [model, config_id, best]))
+                band_parts.append(_frame(con, BANDS_SQL, [model, config_id], reads).filter(pl.col("fn_class") == best))
         shown = [f"{f['model'][0]}/{f['config_id'][0]}" for f in finding_parts]  # each model's main config
         across = pl.DataFrame()  # with one model shown there is no pair to compare
         if len(shown) > 1:
