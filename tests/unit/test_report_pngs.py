@@ -51,10 +51,11 @@ def test_two_processes_write_the_files_one_process_writes(tmp_path: Path) -> Non
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     save_pngs(_figures(one), parallel=False)
-    save_pngs(_figures(two), parallel=True)
+    figures = _figures(two)
+    save_pngs(figures, parallel=True)
     assert len(_bytes(one)) == 4
     assert _bytes(one) == _bytes(two)
-    assert not plt.get_fignums()  # every figure closed
+    assert not any(plt.fignum_exists(f.number) for f in figures.values())  # every figure closed
 
 
 def test_a_child_killed_midway_loses_no_figure(tmp_path: Path) -> None:
@@ -67,7 +68,7 @@ def test_a_child_killed_midway_loses_no_figure(tmp_path: Path) -> None:
         fig.axes[0].add_artist(_Failing(survivor=os.getpid()))
     save_pngs(figures, parallel=True)
     assert _bytes(two) == _bytes(one)
-    assert not plt.get_fignums()
+    assert not any(plt.fignum_exists(f.number) for f in figures.values())
 
 
 def test_a_figure_that_cannot_be_drawn_raises_here(tmp_path: Path) -> None:
