@@ -122,9 +122,9 @@ def reports_root(root: RootLike) -> UPath:
     return as_root(root) / REPORTS
 
 
-# Rows already read, by (SQL, parameters): one command that builds several reports from one unchanged root
-# (`updatelens report`: each model's, then the comparison) reads each model's summary, bands and findings
-# once. Only a caller that holds the root unchanged meanwhile passes one.
+# Rows already read, by (SQL, parameters): a command that builds several reports (`updatelens report`: each
+# model's, then the comparison) passes one, so it reads each model's summary, bands and findings once and
+# its reports show the same rows.
 Reads = dict[tuple[str, tuple[object, ...]], pl.DataFrame]
 
 
@@ -139,9 +139,7 @@ def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[object] | 
 
 
 def _views(con: duckdb.DuckDBPyConnection) -> set[str]:
-    """The catalog's relations: its views and the tables it derives (finding_replicates)."""
-    return {row[0] for row in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal UNION ALL "
-                                          "SELECT table_name FROM duckdb_tables() WHERE NOT internal").fetchall()}
+    return {row[0] for row in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
 
 
 # ---- model report -------------------------------------------------------------------------------
@@ -149,6 +147,7 @@ def _views(con: duckdb.DuckDBPyConnection) -> set[str]:
 SUMMARY_SQL = "SELECT * FROM layer_summary WHERE model = ? AND config_id = ? ORDER BY layer, fn_class"
 BANDS_SQL = "SELECT * FROM layer_bands WHERE model = ? AND config_id = ?"
 FINDINGS_SQL = "SELECT * FROM findings WHERE model = ? AND config_id = ? ORDER BY finding"
+
 
 def _main_config(con: duckdb.DuckDBPyConnection, model: str, preferred: str | None = None,
                  reads: Reads | None = None) -> tuple[str, list[str]]:
