@@ -64,9 +64,9 @@ def save_pngs(figures: dict[Path, Figure], parallel: bool | None = None) -> None
     finally:
         os.close(read)
         _, status = os.waitpid(pid, 0)
-    theirs = [i for i in range(len(paths)) if i not in ours]
-    if os.waitstatus_to_exitcode(status) != 0:  # it failed or was killed: its files may be missing or partial
-        for i in theirs:
-            figures[paths[i]].savefig(paths[i], dpi=DPI)
-    for i in theirs:
-        plt.close(figures[paths[i]])
+    failed = os.waitstatus_to_exitcode(status) != 0  # failed or killed: its files may be missing or partial
+    for i in (i for i in range(len(paths)) if i not in ours):
+        if failed:
+            png(figures[paths[i]], paths[i])
+        else:
+            plt.close(figures[paths[i]])
